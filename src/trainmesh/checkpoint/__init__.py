@@ -1,0 +1,19 @@
+"""Checkpoints: DCP shards, committed by rename, with trainer state and per-rank RNG."""
+
+from trainmesh.checkpoint.dcp import (
+    TrainerState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
+
+__all__ = [
+    "TrainerState",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "step_dir",
+]

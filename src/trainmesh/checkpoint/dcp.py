@@ -1,0 +1,140 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): each rank writes its own shard in parallel.
+
+Layout of one checkpoint, `<run>/checkpoints/step_00000300/`:
+    *.distcp, .metadata     model and optimizer (DCP; reshardable to another world size/strategy)
+    trainer_state.json      step, samples seen, precision (GradScaler) state, config, versions
+    rng/rank_<r>.pt         each rank's RNG states (torch, CUDA, NumPy, Python) — tensors only
+
+A checkpoint is written under a temporary name and renamed once every rank has finished, so a
+directory named `step_*` is always complete. Everything non-tensor is JSON, and the RNG files load
+with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from trainmesh.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from trainmesh.runtime.runtime import Runtime
+
+log = get_logger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+STEP_PREFIX = "step_"
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that a resume needs."""
+
+    step: int = 0
+    """Optimizer steps completed; with the global batch it fixes the data position."""
+    samples_seen: int = 0
+    """Samples consumed over all ranks."""
+    world_size: int = 1
+    precision: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINT_DIR
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"{STEP_PREFIX}{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Committed checkpoints, oldest first (temporary directories are never listed)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, runtime: Runtime
+) -> Path:
+    """Collective: every rank calls it. Returns the committed directory."""
+    final = step_dir(run_dir, state.step)
+    staging = final.with_name(f".{final.name}.tmp")
+    if runtime.is_main_process:
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+        shutil.rmtree(staging, ignore_errors=True)  # leftover of a crashed save
+        (staging / "rng").mkdir(parents=True)
+    runtime.barrier()
+    model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    torch.save(_rng_state(), staging / "rng" / f"rank_{runtime.rank}.pt")
+    runtime.barrier()  # every shard is on disk
+    if runtime.is_main_process:
+        (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+        staging.rename(final)
+        log.info("saved checkpoint %s", final)
+    runtime.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> TrainerState:
+    """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
+    state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(path))
+    runtime.strategy.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
+    runtime.precision.load_state_dict(state.precision)
+    rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
+    if state.world_size == runtime.world_size and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        log.warning("checkpoint from world size %d: RNG streams restart from the seed", state.world_size)
+    log.info("resumed from %s (step %d)", path, state.step)
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "python": [py_version, torch.tensor(py_state, dtype=torch.int64), py_gauss],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, py_state, py_gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in py_state.tolist()), py_gauss))

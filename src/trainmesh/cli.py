@@ -1,0 +1,155 @@
+"""The `trainmesh` command: run, check, env.
+
+trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
+trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
+trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4
+trainmesh env
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from trainmesh.config import Config, ConfigError, load_config, validate
+from trainmesh.launch import LaunchError, LaunchOptions, launch
+from trainmesh.runtime.logging import configure_logging
+from trainmesh.train.batch import BatchPlan
+
+log = logging.getLogger("trainmesh")
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("launch (torchrun)")
+    g.add_argument("--nproc-per-node", default=d("auto"), help="processes per node: N or auto (all GPUs, else 2)")
+    g.add_argument("--nnodes", default=d("1"), help="nodes: N, or MIN:MAX for elastic membership")
+    g.add_argument("--node-rank", type=int, default=d(0), help="this node's rank (static rendezvous)")
+    g.add_argument("--master-addr", default=d(None), help="address of node 0 (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=d(None), help="port on node 0 (default: a free one)")
+    g.add_argument("--rdzv-endpoint", default=d(None), help="HOST:PORT of the c10d rendezvous (elastic)")
+    g.add_argument("--rdzv-id", default=d(None), help="job id shared by all nodes (c10d rendezvous)")
+    g.add_argument("--max-restarts", type=int, default=d(0), help="restarts of the worker group on failure")
+
+
+def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--config", default=d(None), help="TOML config file (see configs/)")
+    g.add_argument("--run-id", default=d(None), help="run directory name under run.out_dir (= run.name)")
+    g.add_argument("--resume", action="store_true", default=d(False), help="continue from the newest checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="train a recipe or launch a script on every rank",
+        description="Launch a built-in recipe (gpt) or a torchrun-style script. For a recipe, dotted config "
+        "overrides follow, optionally after --: --optim.lr=3e-4 --train.precision=bf16-mixed. For a script, "
+        "everything after the script path is passed to it.",
+    )
+    run.add_argument("target", help="recipe name (gpt) or path to a .py script")
+    _add_launch_flags(run)
+    _add_recipe_flags(run)
+    run.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    check = sub.add_parser("check", help="validate a config for a world size and print the batch plan")
+    check.add_argument("target", help="recipe name")
+    _add_launch_flags(check)
+    _add_recipe_flags(check)
+    check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    return parser
+
+
+def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Flags may also follow the recipe name; the leftovers must be --section.key=value overrides."""
+    tail = argparse.ArgumentParser(add_help=False)
+    _add_launch_flags(tail, defaults=False)
+    _add_recipe_flags(tail, defaults=False)
+    tokens = list(args.rest)
+    _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
+    overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
+    unknown = [t for t in rest if t not in overrides]
+    if unknown:
+        parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
+    if args.run_id:
+        overrides.append(f"--run.name={args.run_id}")
+    if args.resume:
+        overrides.append("--checkpoint.resume=true")
+    return overrides
+
+
+def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(
+        nproc_per_node=str(args.nproc_per_node),
+        nnodes=str(args.nnodes),
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+    )
+
+
+def _validated(config: Config, opts: LaunchOptions) -> BatchPlan:
+    plans = [validate(config, world) for world in opts.world_sizes()]
+    return plans[-1]
+
+
+def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.target.endswith(".py") or Path(args.target).is_file():
+        if not Path(args.target).is_file():
+            parser.error(f"script {args.target!r} does not exist")
+        return launch(_launch_options(args), [args.target, *args.rest], module=False)
+    overrides = _split_recipe_args(parser, args)
+    opts = _launch_options(args)
+    config = load_config(args.config, overrides, args.target)
+    plan = _validated(config, opts)  # before any process starts
+    from trainmesh.worker import default_run_name, write_config
+
+    suffix = opts.default_run_suffix()
+    name = config.run.name or (f"{config.run.recipe}-{suffix}" if suffix else default_run_name(config.run.recipe))
+    config.run.name = name
+    run_dir = Path(config.run.out_dir) / name
+    config_path = write_config(run_dir, config)
+    log.info("%s", plan.describe())
+    entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
+    return launch(opts, entry, module=True)
+
+
+def cmd_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    overrides = _split_recipe_args(parser, args)
+    opts = _launch_options(args)
+    config = load_config(args.config, overrides, args.target)
+    for world in opts.world_sizes():
+        plan = validate(config, world)
+        print(f"world size {world}: OK — {plan.describe()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging()
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "env":
+            from trainmesh.runtime.report import environment_report
+
+            print(environment_report())
+            return 0
+        if args.command == "check":
+            return cmd_check(parser, args)
+        return cmd_run(parser, args)
+    except (ConfigError, LaunchError) as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Build a `Config` from code defaults < a TOML file < dotted `--section.key=value` overrides.
+
+Unknown keys and values of the wrong type are rejected here, naming the key as the user types it and,
+for a typo, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from trainmesh.config.schema import Config, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the key and the fix."""
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`--optim.lr=3e-4` -> ("optim.lr", 0.0003). Values are TOML literals; anything else is a string."""
+    body = text[2:] if text.startswith("--") else text
+    key, sep, raw = body.partition("=")
+    if not sep or not key or "." not in key:
+        raise ConfigError(f"override {text!r} must look like --section.key=value (e.g. --optim.lr=3e-4)")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as bf16-mixed or a path
+    return key, value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist (given with --config)")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted overrides onto a nested dict (a copy); later overrides win."""
+    merged = _deep_copy(data)
+    for text in overrides:
+        key, value = parse_override(text)
+        node = merged
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is a value, not a section")
+            node = child
+        node[leaf] = value
+    return merged
+
+
+def build_config(data: dict[str, Any], model_cls: type[ModelConfig]) -> Config:
+    """Turn a nested dict into a validated `Config`; the `[model]` section uses `model_cls`."""
+    data = _deep_copy(data)
+    model_data = data.pop("model", {})
+    config = _build(Config, data, prefix="")
+    config.model = _build(model_cls, model_data, prefix="model.")
+    return config
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a nested dict of scalars as TOML (sections and sub-sections as [a.b] tables)."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], name: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if name:
+            lines.append(f"\n[{name}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in scalars.items() if value is not None)
+        for key, value in table.items():
+            if isinstance(value, dict):
+                emit(value, f"{name}.{key}" if name else key)
+
+    emit(data, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _build(cls: type[Any], data: Any, prefix: str) -> Any:
+    section = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{section}' must be a section (a TOML table), got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            allowed = ", ".join(sorted(prefix + k for k in known))
+            raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} Known keys here: {allowed}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(typing.cast(type, kind), value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, kind)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # __post_init__ range checks
+        raise ConfigError(str(e)) from None
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check `value` against the field's type; accept the few safe conversions CLI strings need."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in options):
+            return None
+        inner = [o for o in options if o is not type(None)]
+        return _coerce(key, value, inner[0])
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, bool):
+            return "true" if value else "false"  # e.g. optim.fused=true
+        if isinstance(value, (int, float)):
+            return str(value)
+    else:
+        raise AssertionError(f"config field {key} has unsupported type {kind}")
+    type_name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    raise ConfigError(f"config key '{key}' expects {type_name}, got {value!r} ({type(value).__name__})")

@@ -1,0 +1,227 @@
+"""The configuration schema: one dataclass per section, each field with a one-line docstring.
+
+Field checks that need only the field live in `__post_init__`; checks across sections (batch math,
+world size) live in `trainmesh.config.validate`. The recipe supplies the `[model]` section's class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainmesh.precision import PRECISIONS
+from trainmesh.runtime.dist import BACKENDS, DEVICES
+from trainmesh.strategies import COMM_HOOKS, STRATEGIES
+
+
+def _one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ValueError(f"{key}={value} must be >= {low}")
+
+
+@dataclass
+class RunConfig:
+    recipe: str = "gpt"
+    """Which built-in recipe to train (gpt)."""
+    name: str = ""
+    """Run id, the name of the run directory under out_dir; empty: <recipe>-<date>-<time>."""
+    out_dir: str = "runs"
+    """Folder that holds run directories."""
+    seed: int = 1337
+    """Seed for model init (same on every rank) and, offset by rank, for dropout."""
+    deterministic: bool = False
+    """Use deterministic kernels only (bit-reproducible, somewhat slower)."""
+    log_every: int = 10
+    """Optimizer steps between metric records (loss is averaged across ranks at these steps)."""
+    progress: bool = True
+    """Show the live progress bar on rank 0 (plain log lines when stderr is not a terminal)."""
+
+    def __post_init__(self) -> None:
+        _at_least("run.log_every", self.log_every, 1)
+
+
+@dataclass
+class DistConfig:
+    device: str = "auto"
+    """auto (cuda, else mps for one process, else cpu) | cpu | cuda | mps."""
+    backend: str = "auto"
+    """auto (nccl on cuda, gloo otherwise) | nccl | gloo | mpi."""
+    timeout_s: float = 600.0
+    """Collective / process-group timeout in seconds."""
+
+    def __post_init__(self) -> None:
+        _one_of("dist.device", self.device, DEVICES)
+        _one_of("dist.backend", self.backend, BACKENDS)
+        _at_least("dist.timeout_s", self.timeout_s, 1)
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB; each bucket is all-reduced as soon as it is ready."""
+    static_graph: bool = False
+    """Promise the graph is the same every step (enables extra DDP optimisations)."""
+    find_unused_parameters: bool = False
+    """Search for parameters without gradients each step (needed only for conditional models)."""
+    gradient_as_bucket_view: bool = True
+    """Let gradients alias the communication buckets (saves one gradient-sized copy)."""
+    broadcast_buffers: bool = True
+    """Broadcast buffers (e.g. BatchNorm running stats) from rank 0 at each forward."""
+    comm_hook: str = "none"
+    """Gradient compression on the wire: none | fp16 | bf16."""
+
+    def __post_init__(self) -> None:
+        _one_of("parallel.ddp.comm_hook", self.comm_hook, COMM_HOOKS)
+        _at_least("parallel.ddp.bucket_cap_mb", self.bucket_cap_mb, 0.001)
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "auto"
+    """auto (ddp with several processes, else single) | single | dp | ddp."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """DistributedDataParallel options."""
+
+    def __post_init__(self) -> None:
+        _one_of("parallel.strategy", self.strategy, STRATEGIES)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    """Number of optimizer steps."""
+    micro_batch: int = 8
+    """Samples per process per forward/backward (what must fit in memory)."""
+    global_batch: int = 0
+    """Samples per optimizer step over all ranks; 0: micro_batch × data-parallel size (no accumulation)."""
+    global_batch_tokens: int = 0
+    """Tokens per optimizer step (token recipes; e.g. 524288 for GPT-2); overrides global_batch."""
+    precision: str = "32-true"
+    """32-true | bf16-mixed | 16-mixed | bf16-true."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    eval_every: int = 100
+    """Optimizer steps between validation passes; 0: only at the end."""
+    eval_batches: int = 20
+    """Micro-batches per rank in each validation pass."""
+
+    def __post_init__(self) -> None:
+        _at_least("train.max_steps", self.max_steps, 1)
+        _at_least("train.micro_batch", self.micro_batch, 1)
+        _at_least("train.global_batch", self.global_batch, 0)
+        _at_least("train.global_batch_tokens", self.global_batch_tokens, 0)
+        _one_of("train.precision", self.precision, PRECISIONS)
+        _at_least("train.grad_clip", self.grad_clip, 0)
+        _at_least("train.eval_every", self.eval_every, 0)
+        _at_least("train.eval_batches", self.eval_batches, 1)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many steps."""
+    schedule: str = "cosine"
+    """Decay after warmup: cosine | linear | constant."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    fused: str = "auto"
+    """Fused AdamW kernel: auto (on CUDA) | true | false."""
+
+    def __post_init__(self) -> None:
+        _at_least("optim.lr", self.lr, 0)
+        _at_least("optim.min_lr", self.min_lr, 0)
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        _one_of("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
+        _one_of("optim.fused", self.fused, ("auto", "true", "false"))
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} is above optim.lr={self.lr}; it must be <= lr")
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"
+    """embedded (the Python standard library's source) | path to a text file | folder of token shards."""
+    tokenizer: str = "byte"
+    """Tokenizer for text sources (byte: 256 symbols, no training needed)."""
+    val_fraction: float = 0.05
+    """Share of a text corpus held out for validation."""
+    max_corpus_mb: float = 8.0
+    """Cap on the embedded corpus size in MiB."""
+    cache_dir: str = ""
+    """Where tokenised corpora are cached; empty: $XDG_CACHE_HOME/trainmesh or ~/.cache/trainmesh."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    shuffle: bool = True
+    """Reshuffle the samples every epoch (deterministically from run.seed and the epoch)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction={self.val_fraction} must be between 0 and 1 (exclusive)")
+        _at_least("data.max_corpus_mb", self.max_corpus_mb, 0.01)
+        _at_least("data.num_workers", self.num_workers, 0)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Optimizer steps between checkpoints; 0: only the final one."""
+    final: bool = True
+    """Save a checkpoint when training ends."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory (also implied on an elastic restart)."""
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.every", self.every, 0)
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "def "
+    """Text the model continues after training (generative recipes)."""
+    max_new_tokens: int = 200
+    """Length of the generated sample; 0 disables sampling."""
+    temperature: float = 0.8
+    """Softmax temperature; lower is more conservative."""
+    top_k: int = 40
+    """Sample only among the k most likely tokens; 0: all."""
+
+    def __post_init__(self) -> None:
+        _at_least("sample.max_new_tokens", self.max_new_tokens, 0)
+        _at_least("sample.top_k", self.top_k, 0)
+        if self.temperature <= 0:
+            raise ValueError(f"sample.temperature={self.temperature} must be > 0")
+
+
+@dataclass
+class ModelConfig:
+    """Base of each recipe's `[model]` section."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,0 +1,1 @@
+"""Data: corpora, tokenizers, datasets and world-size-independent sharding."""

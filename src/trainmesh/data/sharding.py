@@ -1,0 +1,101 @@
+"""Which samples each rank reads at each step: deterministic, disjoint, world-size independent.
+
+The global order is defined without reference to the number of ranks: epoch e is a permutation of all
+sample ids drawn from (seed, e), and optimizer step s consumes the next `global_batch` ids of it. Those
+ids are cut into micro-batches of `micro_batch`; micro-batch j goes to data-parallel rank j % dp_size
+as its accumulation slot j // dp_size. So every step trains on the same set of samples whether it runs
+on 1, 2 or 8 ranks, the ranks never overlap, and the position in the data is just the step number —
+the basis of exact resume, also onto a different number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from trainmesh.train.batch import BatchPlan
+
+
+class DatasetTooSmallError(ValueError):
+    pass
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of sample ids), step after step, epoch after epoch."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        plan: BatchPlan,
+        dp_rank: int,
+        seed: int,
+        shuffle: bool = True,
+        start_step: int = 0,
+    ) -> None:
+        if num_samples < plan.global_batch:
+            raise DatasetTooSmallError(
+                f"the training set has {num_samples} samples, fewer than one global batch of "
+                f"{plan.global_batch} ({plan.describe()}). Fix: a larger dataset, or a smaller "
+                "--train.global_batch / --train.micro_batch."
+            )
+        assert 0 <= dp_rank < plan.dp_size
+        self.num_samples = num_samples
+        self.plan = plan
+        self.dp_rank = dp_rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.start_step = start_step
+        self.steps_per_epoch = num_samples // plan.global_batch  # the ragged tail of an epoch is dropped
+        self._order_epoch = -1
+        self._order = torch.arange(0)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """All sample ids in the order epoch `epoch` visits them."""
+        if epoch != self._order_epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                self._order = torch.randperm(self.num_samples, generator=gen)
+            else:
+                self._order = torch.arange(self.num_samples)
+            self._order_epoch = epoch
+        return self._order
+
+    def global_batch_ids(self, step: int) -> torch.Tensor:
+        """The ids every rank together consumes at optimizer step `step`, in micro-batch order."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.plan.global_batch
+        return self.epoch_order(epoch)[start : start + self.plan.global_batch]
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's `accum_steps` micro-batches for optimizer step `step`."""
+        chunks = self.global_batch_ids(step).view(-1, self.plan.micro_batch)  # (global/micro, micro)
+        mine = chunks[self.dp_rank :: self.plan.dp_size]  # (accum_steps, micro)
+        return mine.tolist()
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            yield from self.micro_batches(step)
+            step += 1
+
+    def __len__(self) -> int:  # one epoch's worth; the iterator itself never ends
+        return self.steps_per_epoch * self.plan.accum_steps
+
+
+def eval_micro_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int, limit: int) -> list[list[int]]:
+    """A fixed validation slice: the same micro-batches every evaluation, disjoint across ranks."""
+    per_round = micro_batch * dp_size
+    rounds = min(limit, num_samples // per_round)
+    if rounds < 1:
+        raise DatasetTooSmallError(
+            f"the validation set has {num_samples} samples, fewer than one micro-batch per rank "
+            f"({micro_batch} × {dp_size} ranks = {per_round}). Fix: a larger data.val_fraction or "
+            "corpus, or a smaller --train.micro_batch."
+        )
+    ids = torch.arange(rounds * per_round).view(rounds, dp_size, micro_batch)
+    return ids[:, dp_rank].tolist()

@@ -1,0 +1,1 @@
+"""Metrics: progress bar, JSONL/TensorBoard sinks, plots, MFU."""

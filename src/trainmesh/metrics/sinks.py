@@ -1,0 +1,80 @@
+"""Where metrics go: metrics.jsonl and TensorBoard during the run, a loss-curve PNG at the end.
+
+Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from trainmesh.runtime.logging import get_logger
+
+log = get_logger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.run_dir = run_dir
+        self._jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is a declared dependency; keep training if it was removed
+                log.warning("tensorboard is not installed; metrics go to %s only", METRICS_FILE)
+
+    def write(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        record = {"kind": kind, "step": step, **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(metrics_path: Path, out: Path) -> Path | None:
+    """Train and validation loss against step, as a PNG."""
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "val" and "val_loss" in r]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="val loss", linewidth=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,70 @@
+"""Mixed precision with torch.amp: fp32 master weights, low-precision matmuls under autocast.
+
+`16-mixed` also needs loss scaling (fp16 gradients underflow): a GradScaler scales the loss before
+backward, `unscale` restores true gradients before clipping, and a step whose gradients hold inf/NaN
+is skipped. Under data parallelism the gradients are all-reduced before the check, so every rank sees
+the same inf and takes the same skip decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trainmesh.precision.base import Precision
+
+
+class MixedPrecision(Precision):
+    """`bf16-mixed`: autocast to bfloat16; bf16 has fp32's range, so no loss scaling is needed."""
+
+    name = "bf16-mixed"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.device_type = device.type
+        self.dtype = dtype
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            yield
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype
+
+
+class ScaledMixedPrecision(MixedPrecision):
+    """`16-mixed`: autocast to float16 with dynamic loss scaling."""
+
+    name = "16-mixed"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, torch.float16)
+        self.scaler = torch.amp.GradScaler(device.type)
+        self._unscaled = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._unscaled:  # GradScaler allows one unscale_ per step
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self.unscale(optimizer)
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # skips optimizer.step() when the unscaled grads hold inf/NaN
+        self.scaler.update()  # ... and then lowers the scale, which is how we detect the skip
+        self._unscaled = False
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

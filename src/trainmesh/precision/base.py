@@ -1,0 +1,52 @@
+"""The Precision seam: how numbers are represented during forward, backward and the optimizer step.
+
+The loop only ever calls these methods; which precision is active is decided once, in `build_precision`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Precision(ABC):
+    """Autocast, loss scaling and the optimizer step for one precision setting."""
+
+    name: str
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast the model's parameters if this precision stores them in a low-precision dtype."""
+        return module
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The region where forward and loss run (autocast for the mixed modes)."""
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true magnitude; called once per step, before clipping."""
+        del optimizer  # only loss-scaling precisions have anything to undo
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take the optimizer step; False when it was skipped (loss-scale overflow)."""
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    @property
+    @abstractmethod
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matrix multiplies run in (used for MFU peaks and reporting)."""

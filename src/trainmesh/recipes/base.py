@@ -1,0 +1,58 @@
+"""A recipe is everything model-specific: the model, its data, its loss, and what to show at the end.
+
+The loop and strategies stay generic; a recipe is the one place that knows what a batch looks like.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainmesh.config.schema import Config, ModelConfig
+
+if TYPE_CHECKING:
+    from trainmesh.runtime.runtime import Runtime
+
+
+class Recipe(ABC):
+    name: str
+    model_config_cls: type[ModelConfig]
+
+    def tokens_per_sample(self, model: ModelConfig) -> int:
+        """Tokens in one sample, for token-denominated batch sizes; 0 when samples are not token sequences."""
+        del model
+        return 0
+
+    @abstractmethod
+    def prepare(self, config: Config, runtime: Runtime) -> None:
+        """Make the data ready (tokenise/cache on one process per node) and finish the model config."""
+
+    @abstractmethod
+    def build_model(self, config: Config) -> nn.Module:
+        """A freshly initialised model, on the CPU; the strategy places it."""
+
+    @abstractmethod
+    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
+        """(train, validation) datasets whose items the default collate can stack."""
+
+    @abstractmethod
+    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Forward pass and the loss *summed* over the batch's targets (normalised by the loop)."""
+
+    @abstractmethod
+    def count_targets(self, batch: Any) -> int:
+        """How many targets `loss_sum` sums over (tokens not equal to ignore_index, or samples)."""
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        """Training FLOPs per token (or sample) for MFU; 0 when unknown."""
+        del model
+        return 0.0
+
+    def on_train_end(self, model: nn.Module, config: Config, runtime: Runtime) -> str:
+        """Something to show the user at the end (e.g. generated text); runs on rank 0 only."""
+        del model, config, runtime
+        return ""

@@ -1,0 +1,178 @@
+"""A GPT language model in the nanoGPT mould: pre-norm blocks, causal self-attention through
+`scaled_dot_product_attention` (flash attention where the device has it), tied input/output
+embeddings, and GPT-2's initialisation (residual projections scaled by 1/sqrt(2·n_layer)).
+
+Model code knows nothing of parallelism; strategies wrap it from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from trainmesh.config.schema import ModelConfig
+
+IGNORE_INDEX = -100
+
+# name: (n_layer, n_head, n_embd). The gpt2-* sizes are GPT-2's published shapes.
+SIZES: dict[str, tuple[int, int, int]] = {
+    "nano": (2, 2, 32),  # tests
+    "tiny": (4, 4, 128),  # the CPU default: trains in minutes on two cores
+    "small": (6, 6, 384),
+    "gpt2": (12, 12, 768),  # 124M
+    "gpt2-medium": (24, 16, 1024),  # 350M
+    "gpt2-large": (36, 20, 1280),  # 774M
+}
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    size: str = "tiny"
+    """Named shape: nano | tiny | small | gpt2 (124M) | gpt2-medium (350M) | gpt2-large (774M)."""
+    n_layer: int = 0
+    """Transformer blocks; 0: from size."""
+    n_head: int = 0
+    """Attention heads; 0: from size."""
+    n_embd: int = 0
+    """Embedding width; 0: from size."""
+    block_size: int = 128
+    """Context length in tokens (the sequence length of each sample)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0: from the tokenizer (GPT-2 runs usually pad 50257 up to 50304 for speed)."""
+    dropout: float = 0.0
+    """Dropout probability on attention weights and residual branches."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"model.size={self.size!r} is not one of {', '.join(SIZES)}")
+        layers, heads, width = SIZES[self.size]
+        self.n_layer = self.n_layer or layers
+        self.n_head = self.n_head or heads
+        self.n_embd = self.n_embd or width
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head} "
+                f"(each head gets n_embd / n_head dimensions)"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"model.block_size={self.block_size} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scale = True  # type: ignore[assignment]  # GPT-2 init marker
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 × (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Q)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, H, T, Q)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_scale = True  # type: ignore[assignment]
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.vocab_size > 0, "vocab_size must be resolved (from the tokenizer) before building"
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                std /= math.sqrt(2 * self.cfg.n_layer)  # keeps the residual stream's variance flat
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab)."""
+        _, T = idx.shape  # (B, T)
+        if self.cfg.block_size < T:
+            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; without position embeddings by default (the MFU convention)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N + 12·L·H·Q·T (nanoGPT / PaLM appendix B)."""
+        c = self.cfg
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int) -> torch.Tensor:
+        """Extend idx (B, T) by sampling `max_new_tokens` tokens."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.block_size :]
+            logits = self(context)[:, -1, :] / temperature  # (B, V)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def summed_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over non-ignored targets; the loop divides by the global count."""
+    return F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

@@ -1,0 +1,100 @@
+"""The GPT recipe: a byte-level (or any tokenizer) language model on a memory-mapped token corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainmesh.config.schema import Config, ModelConfig
+from trainmesh.data.corpus import TokenCorpus, default_cache_dir, embedded_files, shard_corpus, text_corpus
+from trainmesh.data.datasets import TokenWindows
+from trainmesh.data.tokenizer import get_tokenizer
+from trainmesh.recipes.base import Recipe
+from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
+
+if TYPE_CHECKING:
+    from trainmesh.runtime.runtime import Runtime
+
+
+class GPTRecipe(Recipe):
+    name = "gpt"
+    model_config_cls = GPTConfig
+
+    def __init__(self) -> None:
+        self.corpus: TokenCorpus | None = None
+        self.block_size = 0
+
+    def tokens_per_sample(self, model: ModelConfig) -> int:
+        assert isinstance(model, GPTConfig)
+        return model.block_size
+
+    def prepare(self, config: Config, runtime: Runtime) -> None:
+        cfg = config.data
+        model = config.model
+        assert isinstance(model, GPTConfig)
+        # One process per node tokenises into the (node-local) cache; the others wait, then read it.
+        with runtime.local_main_first():
+            self.corpus = _resolve_corpus(config)
+        if not model.vocab_size:
+            if not self.corpus.vocab_size:
+                raise ValueError(
+                    f"data.source={cfg.source!r} holds pre-tokenised shards, so the vocabulary size is "
+                    "unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer)."
+                )
+            model.vocab_size = self.corpus.vocab_size
+        self.block_size = model.block_size
+
+    def build_model(self, config: Config) -> nn.Module:
+        assert isinstance(config.model, GPTConfig)
+        return GPT(config.model)
+
+    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
+        assert self.corpus is not None, "prepare() first"
+        return TokenWindows(self.corpus.train, self.block_size), TokenWindows(self.corpus.val, self.block_size)
+
+    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        return summed_lm_loss(module(x), y)
+
+    def count_targets(self, batch: Any) -> int:
+        return int((batch[1] != IGNORE_INDEX).sum())
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        return model.flops_per_token() if isinstance(model, GPT) else 0.0
+
+    def on_train_end(self, model: nn.Module, config: Config, runtime: Runtime) -> str:
+        sample = config.sample
+        if not sample.max_new_tokens or not isinstance(model, GPT):
+            return ""
+        tokenizer = get_tokenizer(config.data.tokenizer)
+        prompt = tokenizer.encode(sample.prompt).astype("int64")
+        idx = torch.tensor(prompt, device=runtime.device).view(1, -1)  # (1, T)
+        gen = torch.Generator(device=runtime.device).manual_seed(config.run.seed)
+        was_training = model.training
+        model.eval()
+        with runtime.precision.autocast(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+            out = model.generate(idx, sample.max_new_tokens, sample.temperature, sample.top_k)
+        model.train(was_training)
+        return tokenizer.decode(out[0].tolist())
+
+
+def _resolve_corpus(config: Config) -> TokenCorpus:
+    cfg = config.data
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    if cfg.source == "embedded":
+        files = embedded_files(int(cfg.max_corpus_mb * 2**20))
+    else:
+        path = Path(cfg.source).expanduser()
+        if path.is_dir():
+            return shard_corpus(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"data.source={cfg.source!r} is neither 'embedded', a text file, nor a folder of token shards"
+            )
+        files = [path]
+    return text_corpus(files, get_tokenizer(cfg.tokenizer), cfg.val_fraction, cache)

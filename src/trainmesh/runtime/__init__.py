@@ -1,0 +1,1 @@
+"""Runtime: where this process sits in the job, its device, and the public Runtime object."""

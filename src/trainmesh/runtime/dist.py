@@ -1,0 +1,139 @@
+"""Device, backend and process group: chosen from the environment, overridable, torn down cleanly."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainmesh.runtime.env import DistEnv, free_port
+from trainmesh.runtime.logging import get_logger
+
+log = get_logger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+
+
+def select_device(requested: str, env: DistEnv) -> torch.device:
+    """`auto`: this rank's GPU (cuda:LOCAL_RANK) when CUDA is present, else MPS for one process, else CPU."""
+    if requested not in DEVICES:
+        raise ValueError(f"dist.device={requested!r} is not one of {', '.join(DEVICES)}")
+    if requested == "auto":
+        if torch.cuda.is_available():
+            requested = "cuda"
+        elif _mps_available() and env.local_world_size == 1:
+            requested = "mps"
+        else:
+            requested = "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "dist.device='cuda' but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+                "Fix: run on a GPU machine, install a CUDA build of torch, or set --dist.device=cpu."
+            )
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK={env.local_rank} but only {count} GPU(s) are visible on this node "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
+                f"Fix: --nproc-per-node {count} (or 'auto')."
+            )
+        return torch.device("cuda", env.local_rank)
+    if requested == "mps" and not _mps_available():
+        raise RuntimeError("dist.device='mps' but MPS is not available. Fix: set --dist.device=cpu.")
+    return torch.device(requested)
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """`auto`: NCCL for CUDA tensors, gloo for everything else."""
+    if requested not in BACKENDS:
+        raise ValueError(f"dist.backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"dist.backend='nccl' needs CUDA tensors, but the device is {device}. "
+            "Fix: --dist.backend=gloo (or auto) on CPU."
+        )
+    available = {
+        "nccl": dist.is_nccl_available(),
+        "gloo": dist.is_gloo_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    if not available[requested]:
+        have = ", ".join(name for name, ok in available.items() if ok) or "none"
+        raise ValueError(f"dist.backend={requested!r} is not built into this torch (available: {have}).")
+    return requested
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def init_process_group(
+    env: DistEnv, backend: str, device: torch.device, timeout_s: float, required: bool = False
+) -> None:
+    """Join the job's process group.
+
+    A single process needs none unless `required` (DDP insists on a group even for world size 1); it
+    then gets a private one on a free loopback port.
+    """
+    if dist.is_initialized() or not (env.is_distributed or required):
+        return
+    if env.source == "single":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in env.export().items():  # SLURM: give env:// what torchrun would have set
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log.debug("init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size,
+              env.master_addr, env.master_port)  # fmt: skip
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def teardown(success: bool, grace_s: float = 10.0) -> None:
+    """Leave the process group without hanging.
+
+    After an error a peer may never arrive, and `destroy_process_group` can then block forever (NCCL),
+    so on failure it runs in a daemon thread that is abandoned after `grace_s`.
+    """
+    if not dist.is_initialized():
+        return
+    if success:
+        dist.destroy_process_group()
+        return
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    worker.start()
+    worker.join(grace_s)
+    if worker.is_alive():
+        log.warning("destroy_process_group did not return within %.0fs; leaving it behind", grace_s)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) with one number."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels (bit-reproducible runs) at some speed cost."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    torch.backends.cudnn.benchmark = not enabled

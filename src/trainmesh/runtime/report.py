@@ -1,0 +1,49 @@
+"""`trainmesh env`: what this machine offers for distributed training — the thing to paste into a bug report."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.versions import versions
+
+ENV_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "GROUP_RANK", "ROLE_",
+                "TORCHELASTIC_", "TORCH_", "NCCL_", "GLOO_", "SLURM_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+                "PYTORCH_")  # fmt: skip
+
+
+def environment_report() -> str:
+    lines = ["trainmesh environment", "", "versions:"]
+    lines += [f"  {name:<10} {value}" for name, value in versions().items()]
+    lines += [f"  {'platform':<10} {platform.platform()}", f"  {'cpu cores':<10} {os.cpu_count()}"]
+    lines += ["", "devices:"]
+    if torch.cuda.is_available():
+        lines.append(f"  cuda {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)")
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            lines.append(
+                f"    cuda:{i} {props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}"
+            )
+        lines.append(f"  bf16 supported: {torch.cuda.is_bf16_supported()}")
+        if dist.is_nccl_available():
+            lines.append(f"  nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    else:
+        lines.append(f"  cuda: not available (torch built with CUDA {torch.version.cuda or 'none'})")
+    mps = getattr(torch.backends, "mps", None)
+    lines.append(f"  mps: {'available' if mps is not None and mps.is_available() else 'not available'}")
+    lines.append(f"  cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads")
+    lines += ["", "distributed backends:"]
+    for name, available in (
+        ("nccl", dist.is_nccl_available()),
+        ("gloo", dist.is_gloo_available()),
+        ("mpi", dist.is_mpi_available()),
+        ("ucc", getattr(dist, "is_ucc_available", lambda: False)()),
+    ):
+        lines.append(f"  {name:<5} {'yes' if available else 'no'}")
+    lines += ["", "distributed environment variables:"]
+    found = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))
+    lines += [f"  {k}={v}" for k, v in found] or ["  (none set: a plain single process)"]
+    return "\n".join(lines)

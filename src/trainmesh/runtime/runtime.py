@@ -1,0 +1,231 @@
+"""`Runtime`: the one object a training loop talks to — the public library API of trainmesh.
+
+    rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group
+    model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp)
+    loader = rt.setup_dataloader(loader)            # each rank reads its own shard
+    with rt.no_sync(model, enabled=not last_micro_step), rt.autocast():
+        loss = ...
+    rt.backward(loss)
+    rt.clip_grad_norm(model, optimizer, 1.0); rt.step(optimizer)
+
+It is passed explicitly (no global singleton) and owns the device, the Strategy and the Precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, Literal, TypeVar, cast, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from trainmesh.precision import Precision, build_precision
+from trainmesh.runtime.dist import (
+    init_process_group,
+    seed_everything,
+    select_backend,
+    select_device,
+    set_deterministic,
+    teardown,
+)
+from trainmesh.runtime.env import DistEnv
+from trainmesh.runtime.logging import configure_logging
+from trainmesh.strategies import DDPOptions, LossFn, Strategy, build_strategy, resolve_strategy_name
+
+T = TypeVar("T")
+ReduceOp = Literal["sum", "mean", "max", "min"]
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class Runtime:
+    def __init__(
+        self,
+        strategy: str = "auto",
+        precision: str = "32-true",
+        device: str = "auto",
+        backend: str = "auto",
+        seed: int | None = None,
+        timeout_s: float = 600.0,
+        ddp: DDPOptions | None = None,
+        deterministic: bool = False,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.env = env or DistEnv.from_environ()
+        self.log = configure_logging(self.env.rank, self.env.world_size)
+        self.device = select_device(device, self.env)
+        self.backend = select_backend(backend, self.device)
+        strategy_name = resolve_strategy_name(strategy, self.env.world_size)
+        self.precision: Precision = build_precision(precision, self.device)
+        init_process_group(self.env, self.backend, self.device, timeout_s, required=strategy_name == "ddp")
+        self.strategy: Strategy = build_strategy(strategy_name, self.env, self.device, ddp)
+        set_deterministic(deterministic)
+        if seed is not None:
+            seed_everything(seed)
+
+    # -- who am I ----------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.strategy.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.strategy.dp_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.is_main
+
+    @property
+    def _has_group(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    # -- model and data ----------------------------------------------------------------------------
+    @overload
+    def setup(self, model: nn.Module) -> nn.Module: ...
+
+    @overload
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+        """Cast for the precision, place and wrap for the strategy.
+
+        Parameters are moved in place, so an optimizer built before or after `setup` both work.
+        """
+        wrapped = self.strategy.setup_module(self.precision.convert_module(model))
+        return wrapped if optimizer is None else (wrapped, optimizer)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.strategy.unwrap(model)
+
+    def setup_dataloader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
+        """Rebuild `loader` so each data-parallel rank reads a disjoint shard (DistributedSampler).
+
+        Call `loader.sampler.set_epoch(epoch)` each epoch for a fresh shuffle. trainmesh's recipes use
+        `trainmesh.data.sharding.GlobalBatchSampler` instead, whose order is world-size independent.
+        """
+        if self.dp_size == 1:
+            return loader
+        if loader.batch_size is None:
+            raise ValueError("setup_dataloader needs a DataLoader with batch_size, not a custom batch_sampler")
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            drop_last=loader.drop_last,
+        )
+        return DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            worker_init_fn=loader.worker_init_fn,
+            persistent_workers=loader.persistent_workers,
+        )
+
+    def to_device(self, batch: T) -> T:
+        """Move every tensor in a (nested) tuple/list/dict batch to this rank's device."""
+        moved: Any = batch
+        if isinstance(batch, torch.Tensor):
+            moved = batch.to(self.device, non_blocking=True)
+        elif isinstance(batch, (list, tuple)):
+            moved = type(batch)(self.to_device(b) for b in batch)
+        elif isinstance(batch, dict):
+            moved = {k: self.to_device(v) for k, v in batch.items()}
+        return cast(T, moved)
+
+    # -- one training step -------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return self.precision.autocast()
+
+    def no_sync(self, model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally (no all-reduce) while `enabled`: wrap non-final micro-steps."""
+        return self.strategy.no_sync(model, enabled)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        return self.strategy.forward_backward(model, batch, loss_fn, scale, self.precision)
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Unscale (fp16), then clip the global gradient norm; returns the norm before clipping."""
+        self.precision.unscale(optimizer)
+        return self.strategy.clip_grad_norm(model, max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Optimizer step; False when skipped for a loss-scale overflow (the same on every rank)."""
+        return self.precision.step(optimizer)
+
+    # -- communication -----------------------------------------------------------------------------
+    def all_reduce(self, value: torch.Tensor | float, op: ReduceOp = "mean") -> torch.Tensor:
+        """Reduce a metric over all ranks (a copy; the input is untouched)."""
+        tensor = torch.as_tensor(value, dtype=torch.float64 if self.device.type == "cpu" else torch.float32)
+        tensor = tensor.detach().clone().to(self.device)
+        if self._has_group and self.world_size > 1:
+            dist.all_reduce(tensor, op=_OPS[op])
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
+
+    def barrier(self) -> None:
+        if self._has_group:
+            dist.barrier()
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        if not self._has_group or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @contextlib.contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Let local rank 0 of each node run the block first (e.g. build a cache), then the others."""
+        if self.local_rank != 0:
+            self.barrier()
+        yield
+        if self.local_rank == 0:
+            self.barrier()
+
+    # -- output ------------------------------------------------------------------------------------
+    def print(self, *args: object, level: int = logging.INFO) -> None:
+        """Log a message once (rank 0), like print."""
+        self.log.log(level, " ".join(str(a) for a in args))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def teardown(self, success: bool = True) -> None:
+        teardown(success)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.teardown(success=exc_type is None)

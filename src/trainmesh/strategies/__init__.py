@@ -1,0 +1,46 @@
+"""Strategies, chosen by name (`parallel.strategy`)."""
+
+from __future__ import annotations
+
+import torch
+
+from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies.base import LossFn, Strategy
+from trainmesh.strategies.ddp import COMM_HOOKS, DDPOptions, DDPStrategy
+from trainmesh.strategies.dp import DataParallelStrategy
+from trainmesh.strategies.single import SingleDeviceStrategy
+
+STRATEGIES = ("auto", "single", "dp", "ddp")
+
+__all__ = [
+    "COMM_HOOKS",
+    "STRATEGIES",
+    "DDPOptions",
+    "LossFn",
+    "Strategy",
+    "build_strategy",
+    "resolve_strategy_name",
+]
+
+
+def resolve_strategy_name(name: str, world_size: int) -> str:
+    """`auto` is `ddp` with several processes and `single` otherwise; mismatches are user errors."""
+    if name not in STRATEGIES:
+        raise ValueError(f"parallel.strategy={name!r} is not one of {', '.join(STRATEGIES)}")
+    if name == "auto":
+        return "ddp" if world_size > 1 else "single"
+    if name == "single" and world_size > 1:
+        raise ValueError(
+            f"parallel.strategy='single' runs one process, but the world size is {world_size}. "
+            "Fix: --parallel.strategy=ddp (or auto), or launch one process."
+        )
+    return name
+
+
+def build_strategy(name: str, env: DistEnv, device: torch.device, ddp: DDPOptions | None = None) -> Strategy:
+    name = resolve_strategy_name(name, env.world_size)
+    if name == "ddp":
+        return DDPStrategy(env, device, ddp or DDPOptions())
+    if name == "dp":
+        return DataParallelStrategy(env, device)
+    return SingleDeviceStrategy(env, device)

@@ -1,0 +1,77 @@
+"""`ddp`: DistributedDataParallel — one process per device, gradients all-reduced in buckets.
+
+DDP groups gradients into `bucket_cap_mb` buckets and all-reduces each as soon as its gradients are
+ready, overlapping communication with the rest of backward. `no_sync` skips that for non-final
+micro-steps of gradient accumulation (gradients accumulate locally and are reduced once). An optional
+comm hook compresses buckets to fp16/bf16 for the wire, halving traffic at a small precision cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies.base import Strategy
+
+COMM_HOOKS = ("none", "fp16", "bf16")
+
+
+@dataclass
+class DDPOptions:
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    broadcast_buffers: bool = True
+    comm_hook: str = "none"
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, env: DistEnv, device: torch.device, options: DDPOptions) -> None:
+        super().__init__(env, device)
+        if options.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"parallel.ddp.comm_hook={options.comm_hook!r} is not one of {COMM_HOOKS}")
+        self.options = options
+
+    @property
+    def dp_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = module.to(self.device)
+        opts = self.options
+        ddp = DistributedDataParallel(
+            module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            static_graph=opts.static_graph,
+            find_unused_parameters=opts.find_unused_parameters,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            broadcast_buffers=opts.broadcast_buffers,
+        )
+        hook: Any = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        if opts.comm_hook != "none":
+            ddp.register_comm_hook(state=None, hook=hook[opts.comm_hook])
+        return ddp
+
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
+        if enabled and isinstance(module, DistributedDataParallel):
+            with module.no_sync():
+                yield
+        else:
+            yield

@@ -1,0 +1,14 @@
+"""`single`: one process, one device, no wrapper. The reference every other strategy is compared with."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from trainmesh.strategies.base import Strategy
+
+
+class SingleDeviceStrategy(Strategy):
+    name = "single"
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return module.to(self.device)

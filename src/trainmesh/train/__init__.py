@@ -1,0 +1,1 @@
+"""Training: the loop, batch arithmetic and optimisation."""

@@ -1,0 +1,96 @@
+"""Batch arithmetic: global batch = micro-batch × accumulation steps × data-parallel ranks.
+
+The user states the global batch (in samples, or in tokens for token recipes) and the micro-batch that
+fits in memory; the accumulation count follows, and a configuration that does not divide is refused
+before any process starts, with the arithmetic in the message.
+
+Loss normalisation. Each optimizer step must minimise the mean loss over every target (token or
+sample) of the global batch. Averaging per micro-batch means and then over micro-steps is wrong as
+soon as micro-batches hold different numbers of targets (padding, ignore_index); this is the
+gradient-accumulation bug that hit several libraries in 2024. Here the recipe returns the *summed*
+loss of a micro-batch, the number of targets of the whole global batch is all-reduced before the first
+backward, and every micro-step backpropagates `sum × dp_size / global_count`: data parallelism divides
+the summed gradients by dp_size, so the result is exactly the gradient of the global mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmesh.config.schema import TrainConfig
+
+
+class BatchMathError(ValueError):
+    """A global batch that cannot be split into whole micro-batches across the ranks."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int
+    """Samples per optimizer step, over all ranks."""
+    micro_batch: int
+    """Samples per process per forward/backward."""
+    dp_size: int
+    """Data-parallel replicas."""
+    accum_steps: int
+    """Micro-steps per optimizer step on each rank."""
+    tokens_per_sample: int = 0
+    """Tokens in one sample (sequence length) for token recipes; 0 otherwise."""
+
+    @classmethod
+    def derive(cls, train: TrainConfig, dp_size: int, tokens_per_sample: int = 0) -> BatchPlan:
+        micro = train.micro_batch
+        per_micro_step = micro * dp_size
+        global_batch = train.global_batch or per_micro_step
+        source = f"train.global_batch={train.global_batch}"
+        if train.global_batch_tokens:
+            if not tokens_per_sample:
+                raise BatchMathError(
+                    "train.global_batch_tokens is only meaningful for token recipes; "
+                    "use train.global_batch (in samples) instead."
+                )
+            if train.global_batch_tokens % tokens_per_sample:
+                lower = train.global_batch_tokens // tokens_per_sample * tokens_per_sample
+                raise BatchMathError(
+                    f"train.global_batch_tokens={train.global_batch_tokens} is not a whole number of "
+                    f"sequences of {tokens_per_sample} tokens (model.block_size): "
+                    f"{train.global_batch_tokens} / {tokens_per_sample} = "
+                    f"{train.global_batch_tokens / tokens_per_sample:.2f}. "
+                    f"Fix: --train.global_batch_tokens={lower} or {lower + tokens_per_sample}."
+                )
+            global_batch = train.global_batch_tokens // tokens_per_sample
+            source = (
+                f"train.global_batch_tokens={train.global_batch_tokens} "
+                f"(= {global_batch} sequences × {tokens_per_sample} tokens)"
+            )
+        if global_batch % per_micro_step:
+            lower = max(per_micro_step, global_batch // per_micro_step * per_micro_step)
+            raise BatchMathError(
+                f"{source} cannot be split evenly: each micro-step processes train.micro_batch={micro} "
+                f"× {dp_size} data-parallel rank(s) = {per_micro_step} samples, and "
+                f"{global_batch} / {per_micro_step} = {global_batch / per_micro_step:.2f} is not a whole "
+                f"number of accumulation steps. Fix: a global batch that is a multiple of {per_micro_step} "
+                f"(e.g. --train.global_batch={lower} or {lower + per_micro_step}), or change "
+                "--train.micro_batch or the number of processes."
+            )
+        return cls(global_batch, micro, dp_size, global_batch // per_micro_step, tokens_per_sample)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.tokens_per_sample
+
+    def describe(self) -> str:
+        text = (
+            f"global batch {self.global_batch} samples = micro-batch {self.micro_batch} "
+            f"× {self.accum_steps} accumulation step(s) × {self.dp_size} data-parallel rank(s)"
+        )
+        if self.tokens_per_sample:
+            text += f" = {self.tokens_per_step:,} tokens per step"
+        return text
+
+
+def loss_scale(global_target_count: float, dp_size: int) -> float:
+    """Factor that turns a micro-batch's summed loss into its share of the global mean (see above)."""
+    if global_target_count <= 0:
+        raise ValueError("the global batch holds no targets (every label is ignore_index?)")
+    return dp_size / global_target_count

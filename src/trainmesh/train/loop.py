@@ -1,0 +1,209 @@
+"""The training loop. One optimizer step is:
+
+    1. read this rank's `accum_steps` micro-batches of the global batch (data/sharding.py)
+    2. all-reduce how many targets the whole global batch holds (the loss's true denominator)
+    3. forward + backward each micro-batch; only the last one synchronises gradients (no_sync)
+    4. unscale (fp16), clip the global gradient norm, step (skipped together on overflow), zero grads
+    5. every `log_every` steps: average the loss over ranks, log; evaluate / checkpoint on schedule
+
+Everything strategy- or precision-specific happens behind `runtime` (the two seams), so this file has
+no branch on either.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import default_collate
+
+from trainmesh.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from trainmesh.config.loader import config_to_dict
+from trainmesh.config.schema import Config
+from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
+from trainmesh.metrics.mfu import device_peak, mfu
+from trainmesh.metrics.progress import ProgressBar
+from trainmesh.metrics.sinks import MetricsWriter
+from trainmesh.recipes.base import Recipe
+from trainmesh.runtime.dist import seed_everything
+from trainmesh.runtime.logging import get_logger
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.train.batch import BatchPlan, loss_scale
+from trainmesh.train.optim import build_optimizer, lr_at, set_lr
+from trainmesh.versions import versions
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    train_loss: float
+    val_loss: float
+    initial_val_loss: float
+    checkpoint: Path | None
+    sample: str
+    model: nn.Module
+
+
+def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> TrainResult:
+    tcfg = config.train
+    plan = BatchPlan.derive(tcfg, runtime.dp_size, recipe.tokens_per_sample(config.model))
+    recipe.prepare(config, runtime)
+    train_set, val_set = recipe.datasets()
+    n_train, n_val = len(cast(Sized, train_set)), len(cast(Sized, val_set))
+
+    # Same seed on every rank for the initial weights (DDP also broadcasts rank 0's), then a
+    # rank-specific stream so dropout masks differ across data-parallel replicas.
+    seed_everything(config.run.seed)
+    raw_model = recipe.build_model(config)
+    flops_per_token = recipe.flops_per_token(raw_model)
+    model = runtime.setup(raw_model)
+    optimizer = build_optimizer(raw_model, config.optim, runtime.device)
+    if tcfg.compile:
+        model = torch.compile(model)  # type: ignore[assignment]
+    seed_everything(config.run.seed + 1 + runtime.rank)
+
+    state = TrainerState(world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
+    resume_from = latest_checkpoint(run_dir) if config.checkpoint.resume else None
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, runtime)
+        state.world_size = runtime.world_size
+
+    sampler = GlobalBatchSampler(
+        n_train, plan, runtime.dp_rank, config.run.seed, config.data.shuffle, start_step=state.step
+    )
+    loader = DataLoader(
+        train_set,
+        batch_sampler=sampler,
+        num_workers=config.data.num_workers,
+        pin_memory=runtime.device.type == "cuda",
+    )
+    eval_ids = eval_micro_batches(n_val, plan.micro_batch, runtime.dp_rank, runtime.dp_size, tcfg.eval_batches)
+    writer = MetricsWriter(run_dir) if runtime.is_main_process else None
+    peak = device_peak(runtime.device, runtime.precision.compute_dtype)
+    if runtime.is_main_process:
+        log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch,
+                 f"{sum(p.numel() for p in raw_model.parameters()):,}")  # fmt: skip
+        if peak:
+            log.info("MFU: %s", peak.describe())
+
+    def evaluate() -> float:
+        val_loss = _evaluate(model, val_set, eval_ids, recipe, runtime)
+        if writer:
+            writer.write(state.step, {"val_loss": val_loss}, kind="val")
+        return val_loss
+
+    initial_val_loss = val_loss = evaluate() if state.step == 0 else math.nan
+    if runtime.is_main_process and state.step == 0:
+        log.info("step 0: val loss %.4f", initial_val_loss)
+
+    progress = ProgressBar(tcfg.max_steps, state.step, enabled=runtime.is_main_process and config.run.progress)
+    data = iter(loader)
+    window_loss = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    window_targets = 0.0
+    window_start, window_steps, skipped = time.perf_counter(), 0, 0
+    train_loss = math.nan
+    checkpoint: Path | None = None
+
+    for step in range(state.step, tcfg.max_steps):
+        lr = lr_at(step, config.optim, tcfg.max_steps)
+        set_lr(optimizer, lr)
+
+        micro_batches = [next(data) for _ in range(plan.accum_steps)]
+        local_targets = sum(recipe.count_targets(mb) for mb in micro_batches)  # counted on the CPU
+        global_targets = float(runtime.all_reduce(local_targets, "sum"))
+        scale = loss_scale(global_targets, runtime.dp_size)
+
+        for i, batch in enumerate(micro_batches):
+            last = i == plan.accum_steps - 1
+            with runtime.no_sync(model, enabled=not last):
+                window_loss += runtime.forward_backward(model, runtime.to_device(batch), recipe.loss_sum, scale)
+
+        grad_norm = runtime.clip_grad_norm(model, optimizer, tcfg.grad_clip)
+        skipped += not runtime.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+        state.step = step + 1
+        state.samples_seen += plan.global_batch
+        window_targets += global_targets
+        window_steps += 1
+
+        if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps:
+            # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
+            train_loss = float(runtime.all_reduce(window_loss, "sum")) / window_targets
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = plan.tokens_per_step * window_steps / elapsed if plan.tokens_per_sample else None
+            metrics = {
+                "loss": train_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "step_time_ms": 1000 * elapsed / window_steps,
+                "samples_per_s": plan.global_batch * window_steps / elapsed,
+                "skipped_steps": skipped,
+            }
+            metrics.update(_throughput_metrics(tokens_per_s, flops_per_token, peak, runtime))
+            if writer:
+                writer.write(state.step, metrics)
+            progress.update(state.step, train_loss, lr, tokens_per_s)
+            window_loss.zero_()
+            window_targets, window_steps, window_start = 0.0, 0, time.perf_counter()
+
+        if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
+            val_loss = evaluate()
+            progress.message(f"step {state.step}: val loss {val_loss:.4f}")
+        if config.checkpoint.every and state.step % config.checkpoint.every == 0 and state.step < tcfg.max_steps:
+            checkpoint = _save(run_dir, model, optimizer, state, runtime)
+
+    progress.close()
+    val_loss = evaluate()
+    if config.checkpoint.final and not step_dir(run_dir, state.step).exists():
+        checkpoint = _save(run_dir, model, optimizer, state, runtime)
+    sample = recipe.on_train_end(runtime.unwrap(model), config, runtime) if runtime.is_main_process else ""
+    if writer:
+        writer.close()
+    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, model)
+
+
+def _save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+          runtime: Runtime) -> Path:  # fmt: skip
+    state.precision = runtime.precision.state_dict()
+    return save_checkpoint(run_dir, model, optimizer, state, runtime)
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module, val_set: Dataset[Any], micro_batches: list[list[int]], recipe: Recipe, runtime: Runtime
+) -> float:
+    """Mean validation loss over a fixed slice, weighted by targets across all ranks."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)  # (loss sum, targets)
+    for ids in micro_batches:
+        batch = default_collate([val_set[i] for i in ids])
+        totals[1] += recipe.count_targets(batch)
+        with runtime.autocast():
+            totals[0] += recipe.loss_sum(model, runtime.to_device(batch)).double()
+    model.train()
+    loss_sum, targets = runtime.all_reduce(totals, "sum").tolist()
+    return float(loss_sum / targets)
+
+
+def _throughput_metrics(
+    tokens_per_s: float | None, flops_per_token: float, peak: Any, runtime: Runtime
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if tokens_per_s is not None:
+        out["tokens_per_s"] = tokens_per_s
+        value = mfu(flops_per_token, tokens_per_s / runtime.world_size, peak)
+        if value is not None:
+            out["mfu"] = value
+    if runtime.device.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(runtime.device) / 2**30
+    return out

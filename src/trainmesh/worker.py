@@ -1,0 +1,123 @@
+"""The per-rank entry point: `python -m trainmesh <recipe> --config F [--section.key=value ...]`.
+
+The same worker runs under `trainmesh run` (which passes the resolved config and run directory),
+plain `torchrun -m trainmesh ...`, SLURM's `srun python -m trainmesh ...`, and a single plain `python`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainmesh.config import Config, ConfigError, dump_toml, load_config, validate
+from trainmesh.config.loader import config_to_dict
+from trainmesh.recipes import get_recipe
+from trainmesh.runtime.env import DistEnv
+from trainmesh.runtime.logging import configure_logging, get_logger
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies import DDPOptions
+from trainmesh.train.loop import TrainResult, train
+
+log = get_logger(__name__)
+
+CONFIG_FILE = "config.toml"
+
+
+def default_run_name(recipe: str) -> str:
+    return f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_config(run_dir: Path, config: Config) -> Path:
+    """Write the resolved config atomically (several node launchers may write the same file)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
+    tmp.write_text(dump_toml(config_to_dict(config)))
+    tmp.replace(path)
+    return path
+
+
+def build_runtime(config: Config) -> Runtime:
+    return Runtime(
+        strategy=config.parallel.strategy,
+        precision=config.train.precision,
+        device=config.dist.device,
+        backend=config.dist.backend,
+        timeout_s=config.dist.timeout_s,
+        ddp=DDPOptions(**config_to_dict(config.parallel.ddp)),
+        deterministic=config.run.deterministic,
+    )
+
+
+def run_worker(config: Config, run_dir: Path | None = None) -> TrainResult:
+    """Train `config` in this process as one rank of the job described by the environment."""
+    validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        config.checkpoint.resume = True  # an elastic restart continues from the newest checkpoint
+    runtime = build_runtime(config)
+    try:
+        if run_dir is None:  # rank 0 names the run; everyone uses its choice
+            name = config.run.name or default_run_name(config.run.recipe)
+            run_dir = Path(runtime.broadcast_object(str(Path(config.run.out_dir) / name)))
+        if runtime.is_main_process:
+            write_config(run_dir, config)
+            log.info("run directory: %s", run_dir)
+            log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
+        runtime.barrier()
+        result = train(config, get_recipe(config.run.recipe), runtime, run_dir)
+        if runtime.is_main_process:
+            _report(result, run_dir)
+    except BaseException:
+        runtime.teardown(success=False)
+        raise
+    runtime.teardown(success=True)
+    return result
+
+
+def _report(result: TrainResult, run_dir: Path) -> None:
+    log.info(
+        "done: %d steps | train loss %.4f | val loss %.4f (at start %.4f)",
+        result.steps, result.train_loss, result.val_loss, result.initial_val_loss,
+    )  # fmt: skip
+    log.info("run directory: %s (config.toml, metrics.jsonl, tensorboard/, loss.png, checkpoints/)", run_dir)
+    if result.sample:
+        log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, result.sample, "-" * 60)
+
+
+def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m trainmesh", description=__doc__)
+    parser.add_argument("recipe", help="recipe to train (gpt)")
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.name>)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a != "--"]
+    bad = [a for a in overrides if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}; overrides look like --section.key=value")
+    return args, overrides
+
+
+@record  # torchrun reports the rank and traceback of a failed worker from this
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_worker_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
+    try:
+        if args.resume:
+            overrides.append("--checkpoint.resume=true")
+        config = load_config(args.config, overrides, args.recipe)
+        run_worker(config, Path(args.run_dir) if args.run_dir else None)
+    except ConfigError as e:
+        logging.getLogger("trainmesh").error("config error: %s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from trainmesh.config import Config, ConfigError, load_config, validate
+from trainmesh.config import Config, ConfigError
+from trainmesh.config.validate import load_config, validate
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.runtime.logging import configure_logging
 from trainmesh.train.batch import BatchPlan
@@ -43,8 +44,9 @@ def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainmesh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",

@@ -102,8 +102,11 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
         if ":" in opts.nnodes:
             raise LaunchError(f"--nnodes={opts.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT, not --master-addr")
         check_resolvable(opts.master_addr, "--master-addr")
-        argv += [f"--node-rank={opts.node_rank}", f"--master-addr={opts.master_addr}",
-                 f"--master-port={opts.master_port}"]  # fmt: skip
+        argv += [
+            f"--node-rank={opts.node_rank}",
+            f"--master-addr={opts.master_addr}",
+            f"--master-port={opts.master_port}",
+        ]
     else:
         # Single node: the store listens on loopback, on a port nobody else is using.
         addr = opts.master_addr or "127.0.0.1"

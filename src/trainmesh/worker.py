@@ -15,9 +15,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainmesh.config import Config, ConfigError, dump_toml, load_config, validate
+from trainmesh.config import Config, ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.recipes import get_recipe
+from trainmesh.config.validate import load_config, validate
+from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
@@ -55,8 +56,11 @@ def build_runtime(config: Config) -> Runtime:
     )
 
 
-def run_worker(config: Config, run_dir: Path | None = None) -> TrainResult:
-    """Train `config` in this process as one rank of the job described by the environment."""
+def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | None = None) -> TrainResult:
+    """Train `config` in this process as one rank of the job described by the environment.
+
+    `recipe` defaults to the built-in named by run.recipe; pass your own `Recipe` subclass to train it.
+    """
     validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         config.checkpoint.resume = True  # an elastic restart continues from the newest checkpoint
@@ -70,7 +74,7 @@ def run_worker(config: Config, run_dir: Path | None = None) -> TrainResult:
             log.info("run directory: %s", run_dir)
             log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
         runtime.barrier()
-        result = train(config, get_recipe(config.run.recipe), runtime, run_dir)
+        result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir)
         if runtime.is_main_process:
             _report(result, run_dir)
     except BaseException:
@@ -83,8 +87,11 @@ def run_worker(config: Config, run_dir: Path | None = None) -> TrainResult:
 def _report(result: TrainResult, run_dir: Path) -> None:
     log.info(
         "done: %d steps | train loss %.4f | val loss %.4f (at start %.4f)",
-        result.steps, result.train_loss, result.val_loss, result.initial_val_loss,
-    )  # fmt: skip
+        result.steps,
+        result.train_loss,
+        result.val_loss,
+        result.initial_val_loss,
+    )
     log.info("run directory: %s (config.toml, metrics.jsonl, tensorboard/, loss.png, checkpoints/)", run_dir)
     if result.sample:
         log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, result.sample, "-" * 60)

@@ -1,8 +1,11 @@
-"""Configuration: schema (typed sections), loading (TOML + dotted overrides) and cross-section checks."""
+"""Configuration: schema (typed sections) and loading (TOML + dotted overrides).
+
+Resolving a config for a recipe and the cross-section checks live in `trainmesh.config.validate`, which
+depends on the recipes (they depend on this package, so it is not re-exported here).
+"""
 
 from trainmesh.config.loader import ConfigError, build_config, dump_toml, load_toml, merge_overrides
 from trainmesh.config.schema import Config, ModelConfig
-from trainmesh.config.validate import load_config, validate
 
 __all__ = [
     "Config",
@@ -10,8 +13,6 @@ __all__ = [
     "ModelConfig",
     "build_config",
     "dump_toml",
-    "load_config",
     "load_toml",
     "merge_overrides",
-    "validate",
 ]

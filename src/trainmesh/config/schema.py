@@ -70,8 +70,8 @@ class DDPConfig:
     """Search for parameters without gradients each step (needed only for conditional models)."""
     gradient_as_bucket_view: bool = True
     """Let gradients alias the communication buckets (saves one gradient-sized copy)."""
-    broadcast_buffers: bool = True
-    """Broadcast buffers (e.g. BatchNorm running stats) from rank 0 at each forward."""
+    sync_buffers: bool = True
+    """Sync buffers (e.g. BatchNorm running stats) from rank 0 at each forward."""
     comm_hook: str = "none"
     """Gradient compression on the wire: none | fp16 | bf16."""
 

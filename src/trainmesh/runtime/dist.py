@@ -94,8 +94,9 @@ def init_process_group(
         os.environ.setdefault(key, value)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    log.debug("init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size,
-              env.master_addr, env.master_port)  # fmt: skip
+    log.debug(
+        "init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size, env.master_addr, env.master_port
+    )
     dist.init_process_group(
         backend=backend,
         init_method="env://",
@@ -115,6 +116,11 @@ def teardown(success: bool, grace_s: float = 10.0) -> None:
     if not dist.is_initialized():
         return
     if success:
+        # Drain in-flight work first. Without this, gloo can deadlock at exit (seen with torch 2.13): a
+        # DDP Reducer keeps the last reference to the group, so ~ProcessGroupGloo runs later, during
+        # garbage collection with the GIL held, and joins a gloo thread that is still waiting for the
+        # GIL to free a tensor of the last all-reduce. Waiting in the barrier releases the GIL.
+        dist.barrier()
         dist.destroy_process_group()
         return
     worker = threading.Thread(target=dist.destroy_process_group, daemon=True)

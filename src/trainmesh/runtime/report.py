@@ -10,9 +10,23 @@ import torch.distributed as dist
 
 from trainmesh.versions import versions
 
-ENV_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "GROUP_RANK", "ROLE_",
-                "TORCHELASTIC_", "TORCH_", "NCCL_", "GLOO_", "SLURM_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
-                "PYTORCH_")  # fmt: skip
+ENV_PREFIXES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_",
+    "GROUP_RANK",
+    "ROLE_",
+    "TORCHELASTIC_",
+    "TORCH_",
+    "NCCL_",
+    "GLOO_",
+    "SLURM_",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "PYTORCH_",
+)
 
 
 def environment_report() -> str:

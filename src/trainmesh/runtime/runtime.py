@@ -123,11 +123,10 @@ class Runtime:
     def setup_dataloader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
         """Rebuild `loader` so each data-parallel rank reads a disjoint shard (DistributedSampler).
 
-        Call `loader.sampler.set_epoch(epoch)` each epoch for a fresh shuffle. trainmesh's recipes use
-        `trainmesh.data.sharding.GlobalBatchSampler` instead, whose order is world-size independent.
+        The sampler is a DistributedSampler at every scale (one process too), so the same loop runs
+        unchanged: call `loader.sampler.set_epoch(epoch)` each epoch for a fresh shuffle. trainmesh's
+        recipes use `trainmesh.data.sharding.GlobalBatchSampler`, whose order is world-size independent.
         """
-        if self.dp_size == 1:
-            return loader
         if loader.batch_size is None:
             raise ValueError("setup_dataloader needs a DataLoader with batch_size, not a custom batch_sampler")
         sampler: DistributedSampler[Any] = DistributedSampler(

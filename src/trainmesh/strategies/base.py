@@ -73,7 +73,7 @@ class Strategy(ABC):
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (no clipping when <= 0) and return the total norm before clipping."""
         limit = max_norm if max_norm > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(module.parameters(), limit, foreach=self.device.type != "cpu")
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), limit)
 
     # -- state --------------------------------------------------------------------------------------
     def state_dicts(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,6 +9,7 @@ comm hook compresses buckets to fp16/bf16 for the wire, halving traffic at a sma
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ class DDPOptions:
     static_graph: bool = False
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
-    broadcast_buffers: bool = True
+    sync_buffers: bool = True
     comm_hook: str = "none"
 
 
@@ -54,6 +55,7 @@ class DDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.device)
         opts = self.options
+        buffer_sync: Any = _buffer_sync_kwarg(opts.sync_buffers)
         ddp = DistributedDataParallel(
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -61,7 +63,7 @@ class DDPStrategy(Strategy):
             static_graph=opts.static_graph,
             find_unused_parameters=opts.find_unused_parameters,
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
-            broadcast_buffers=opts.broadcast_buffers,
+            **buffer_sync,
         )
         hook: Any = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
         if opts.comm_hook != "none":
@@ -75,3 +77,10 @@ class DDPStrategy(Strategy):
                 yield
         else:
             yield
+
+
+def _buffer_sync_kwarg(enabled: bool) -> dict[str, bool]:
+    """torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers`; use the name this torch has."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}

@@ -55,6 +55,8 @@ class TrainResult:
 
 def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> TrainResult:
     tcfg = config.train
+    if runtime.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
     plan = BatchPlan.derive(tcfg, runtime.dp_size, recipe.tokens_per_sample(config.model))
     recipe.prepare(config, runtime)
     train_set, val_set = recipe.datasets()
@@ -90,8 +92,12 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     writer = MetricsWriter(run_dir) if runtime.is_main_process else None
     peak = device_peak(runtime.device, runtime.precision.compute_dtype)
     if runtime.is_main_process:
-        log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch,
-                 f"{sum(p.numel() for p in raw_model.parameters()):,}")  # fmt: skip
+        log.info(
+            "%s; %d steps/epoch; %s parameters",
+            plan.describe(),
+            sampler.steps_per_epoch,
+            f"{sum(p.numel() for p in raw_model.parameters()):,}",
+        )
         if peak:
             log.info("MFU: %s", peak.describe())
 
@@ -139,7 +145,8 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps:
             # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
             train_loss = float(runtime.all_reduce(window_loss, "sum")) / window_targets
-            elapsed = time.perf_counter() - window_start
+            now = time.perf_counter()  # logging below is timed into the next window, like any step cost
+            elapsed = now - window_start
             tokens_per_s = plan.tokens_per_step * window_steps / elapsed if plan.tokens_per_sample else None
             metrics = {
                 "loss": train_loss,
@@ -154,13 +161,15 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
                 writer.write(state.step, metrics)
             progress.update(state.step, train_loss, lr, tokens_per_s)
             window_loss.zero_()
-            window_targets, window_steps, window_start = 0.0, 0, time.perf_counter()
+            window_targets, window_steps, window_start = 0.0, 0, now
 
+        pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
         if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
             val_loss = evaluate()
             progress.message(f"step {state.step}: val loss {val_loss:.4f}")
         if config.checkpoint.every and state.step % config.checkpoint.every == 0 and state.step < tcfg.max_steps:
             checkpoint = _save(run_dir, model, optimizer, state, runtime)
+        window_start += time.perf_counter() - pause_start
 
     progress.close()
     val_loss = evaluate()
@@ -172,8 +181,9 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, model)
 
 
-def _save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-          runtime: Runtime) -> Path:  # fmt: skip
+def _save(
+    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, runtime: Runtime
+) -> Path:
     state.precision = runtime.precision.state_dict()
     return save_checkpoint(run_dir, model, optimizer, state, runtime)
 

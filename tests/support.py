@@ -1,0 +1,79 @@
+"""Shared test helpers: a tiny GPT configuration and rank functions that train it and report back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from trainmesh.config import Config
+from trainmesh.config.validate import load_config
+from trainmesh.recipes.base import Recipe
+from trainmesh.recipes.gpt import GPTRecipe
+from trainmesh.recipes.gpt.model import IGNORE_INDEX
+from trainmesh.worker import run_worker
+
+NANO = [
+    "--model.size=nano",
+    "--model.block_size=32",
+    "--train.micro_batch=4",
+    "--train.max_steps=4",
+    "--train.eval_every=0",
+    "--train.eval_batches=2",
+    "--sample.max_new_tokens=0",
+    "--run.progress=false",
+    "--run.log_every=1",
+    "--data.max_corpus_mb=0.25",
+    "--checkpoint.final=false",
+    "--optim.warmup_steps=2",
+    "--optim.lr=1e-2",
+]
+
+
+def nano_config(root: Path, *overrides: str) -> Config:
+    """A 2-layer, 32-wide GPT on a 0.25 MiB slice of the embedded corpus; trains in about a second."""
+    return load_config(
+        None, [*NANO, f"--data.cache_dir={root / 'cache'}", f"--run.out_dir={root / 'runs'}", *overrides], "gpt"
+    )
+
+
+class PaddedTargets(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Wraps a token dataset and masks a sample-dependent number of trailing targets with ignore_index,
+    so micro-batches (and ranks) hold different numbers of targets."""
+
+    def __init__(self, inner: Dataset[Any], block_size: int) -> None:
+        self.inner = inner
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.inner[index]
+        y = y.clone()
+        masked = (index * 7) % (self.block_size - 1)  # 0 .. T-2 targets hidden, never all of them
+        if masked:
+            y[-masked:] = IGNORE_INDEX
+        return x, y
+
+
+class PaddedGPTRecipe(GPTRecipe):
+    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
+        train, val = super().datasets()
+        return PaddedTargets(train, self.block_size), PaddedTargets(val, self.block_size)
+
+
+def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False) -> dict[str, Any]:
+    """Rank function for `run_distributed`: train the nano GPT and return weights and losses."""
+    config = nano_config(Path(root), *overrides)
+    recipe: Recipe | None = PaddedGPTRecipe() if padded else None
+    result = run_worker(config, Path(root) / "runs" / config.run.name, recipe=recipe)
+    model = result.model.module if hasattr(result.model, "module") else result.model
+    return {
+        "rank": rank,
+        "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+    }

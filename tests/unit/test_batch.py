@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.config.schema import TrainConfig
+from trainmesh.train.batch import BatchMathError, BatchPlan, loss_scale
+
+
+def test_accumulation_is_derived() -> None:
+    plan = BatchPlan.derive(TrainConfig(micro_batch=4, global_batch=32), dp_size=2)
+    assert plan.accum_steps == 4
+    assert "32 samples = micro-batch 4 × 4 accumulation step(s) × 2 data-parallel rank(s)" in plan.describe()
+
+
+def test_default_global_batch_is_one_micro_step() -> None:
+    assert BatchPlan.derive(TrainConfig(micro_batch=4), dp_size=3).global_batch == 12
+
+
+def test_gpt2_half_million_tokens() -> None:
+    plan = BatchPlan.derive(TrainConfig(micro_batch=16, global_batch_tokens=524288), dp_size=8, tokens_per_sample=1024)
+    assert (plan.global_batch, plan.accum_steps, plan.tokens_per_step) == (512, 4, 524288)
+
+
+def test_indivisible_global_batch_shows_the_arithmetic() -> None:
+    with pytest.raises(BatchMathError) as err:
+        BatchPlan.derive(TrainConfig(micro_batch=16, global_batch_tokens=524288), dp_size=3, tokens_per_sample=1024)
+    message = str(err.value)
+    assert "train.global_batch_tokens=524288 (= 512 sequences × 1024 tokens)" in message
+    assert "train.micro_batch=16 × 3 data-parallel rank(s) = 48" in message
+    assert "512 / 48 = 10.67" in message
+    assert "--train.global_batch=480 or 528" in message
+
+
+def test_tokens_that_are_not_whole_sequences() -> None:
+    with pytest.raises(BatchMathError, match=r"1000 / 128 = 7.81.*--train.global_batch_tokens=896 or 1024"):
+        BatchPlan.derive(TrainConfig(global_batch_tokens=1000), dp_size=1, tokens_per_sample=128)
+
+
+def test_tokens_for_a_non_token_recipe() -> None:
+    with pytest.raises(BatchMathError, match="use train.global_batch"):
+        BatchPlan.derive(TrainConfig(global_batch_tokens=1000), dp_size=1, tokens_per_sample=0)
+
+
+def test_loss_scale_gives_the_global_mean_gradient() -> None:
+    """Summed losses × dp/count, averaged over ranks, equal the mean over every target of the batch."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(n, 3) for n in (5, 1, 7, 3)]  # 4 micro-batches with different target counts
+    ref = torch.autograd.grad(torch.cat(xs).matmul(w).square().mean(), w)[0]
+    count = sum(len(x) for x in xs)
+    dp = 2  # ranks 0 and 1 hold micro-batches (0, 1) and (2, 3); DDP averages their gradients
+    per_rank = [
+        sum(
+            torch.autograd.grad(x.matmul(w).square().sum() * loss_scale(count, dp), w)[0] for x in xs[r * 2 : r * 2 + 2]
+        )
+        for r in range(dp)
+    ]
+    torch.testing.assert_close(sum(per_rank) / dp, ref)
+    with pytest.raises(ValueError, match="no targets"):
+        loss_scale(0, 1)

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainmesh.config import ConfigError, build_config, dump_toml, load_toml
+from trainmesh.config.loader import config_to_dict, parse_override
+from trainmesh.config.validate import load_config
+from trainmesh.recipes.gpt import GPTConfig
+
+
+def test_defaults_then_file_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[optim]\nlr = 1e-3\nwarmup_steps = 5\n[train]\nprecision = "bf16-mixed"\n')
+    config = load_config(path, ["--optim.lr=2e-3", "train.micro_batch=3"], "gpt")
+    assert config.optim.lr == 2e-3  # override beats file
+    assert config.optim.warmup_steps == 5  # file beats default
+    assert config.optim.beta2 == 0.95  # default
+    assert config.train.precision == "bf16-mixed" and config.train.micro_batch == 3
+    assert isinstance(config.model, GPTConfig)
+
+
+def test_override_values_are_toml_literals_or_strings() -> None:
+    assert parse_override("--optim.lr=3e-4") == ("optim.lr", 3e-4)
+    assert parse_override("--run.deterministic=true") == ("run.deterministic", True)
+    assert parse_override("--train.precision=bf16-mixed") == ("train.precision", "bf16-mixed")
+    assert parse_override("--data.source=/tmp/a b.txt") == ("data.source", "/tmp/a b.txt")
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        parse_override("--lr=3")
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'.*Did you mean 'optim.lr'"):
+        load_config(None, ["--optim.lrr=1"], "gpt")
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian'.*Did you mean 'train'"):
+        load_config(None, ["--trian.max_steps=1"], "gpt")
+
+
+def test_wrong_types_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"'train.micro_batch' expects an integer, got 'many'"):
+        load_config(None, ["--train.micro_batch=many"], "gpt")
+    with pytest.raises(ConfigError, match=r"'run.deterministic' expects true or false, got 3"):
+        load_config(None, ["--run.deterministic=3"], "gpt")
+    with pytest.raises(ConfigError, match=r"'optim.lr' expects a number"):
+        load_config(None, ["--optim.lr=fast"], "gpt")
+
+
+def test_value_checks_name_the_key_and_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"train.precision='fp8'.*32-true, bf16-mixed, 16-mixed, bf16-true"):
+        load_config(None, ["--train.precision=fp8"], "gpt")
+    with pytest.raises(ConfigError, match=r"model.n_embd=30 must be divisible by model.n_head=4"):
+        load_config(None, ["--model.size=tiny", "--model.n_embd=30"], "gpt")
+    with pytest.raises(ConfigError, match=r"parallel.ddp.comm_hook='zip'"):
+        load_config(None, ["--parallel.ddp.comm_hook=zip"], "gpt")
+
+
+def test_recipe_mismatch_and_unknown_recipe(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nrecipe = "resnet"\n')
+    with pytest.raises(ConfigError, match="the command names recipe 'gpt' but the config has run.recipe='resnet'"):
+        load_config(path, [], "gpt")
+    with pytest.raises(ConfigError, match="unknown recipe 'bert'"):
+        load_config(None, [], "bert")
+
+
+def test_missing_or_broken_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\nlr=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
+    config = load_config(None, ["--optim.lr=1e-3", '--sample.prompt="a \\"quoted\\" line"'], "gpt")
+    path = tmp_path / "resolved.toml"
+    path.write_text(dump_toml(config_to_dict(config)))
+    again = build_config(load_toml(path), GPTConfig)
+    assert config_to_dict(again) == config_to_dict(config)
+
+
+def test_shipped_configs_load() -> None:
+    for path in Path(__file__).parents[2].joinpath("configs").glob("*.toml"):
+        load_config(path, [], None)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from trainmesh.launch import LaunchError, LaunchOptions, torchrun_argv
+
+
+def test_single_node_uses_loopback_and_a_free_port() -> None:
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["trainmesh", "gpt"], module=True)
+    assert "--nproc-per-node=2" in argv and "--master-addr=127.0.0.1" in argv
+    port = int(next(a for a in argv if a.startswith("--master-port=")).split("=")[1])
+    assert port > 0 and argv[-3:] == ["-m", "trainmesh", "gpt"]
+
+
+def test_auto_is_two_processes_without_gpus() -> None:
+    assert LaunchOptions(nproc_per_node="auto").nproc() == 2  # the test machine has no CUDA
+
+
+def test_static_multi_node() -> None:
+    opts = LaunchOptions(nproc_per_node="4", nnodes="2", node_rank=1, master_addr="127.0.0.1", master_port=29400)
+    argv = torchrun_argv(opts, ["train.py"], module=False)
+    assert {"--nnodes=2", "--node-rank=1", "--master-port=29400"} <= set(argv) and argv[-1] == "train.py"
+    assert opts.world_sizes() == [8]
+
+
+def test_elastic_c10d() -> None:
+    opts = LaunchOptions(nproc_per_node="2", nnodes="1:3", rdzv_endpoint="127.0.0.1:29411", rdzv_id="job7")
+    argv = torchrun_argv(opts, ["x.py"], module=False)
+    assert {
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29411",
+        "--rdzv-id=job7",
+        "--local-addr=127.0.0.1",
+    } <= set(argv)
+    assert opts.world_sizes() == [2, 4, 6] and opts.default_run_suffix() == "job7"
+
+
+@pytest.mark.parametrize(
+    ("opts", "message"),
+    [
+        (LaunchOptions(nproc_per_node="many"), "--nproc-per-node='many'"),
+        (LaunchOptions(nnodes="3:1"), "1 <= MIN <= MAX"),
+        (LaunchOptions(nnodes="2"), "needs --master-addr and --master-port"),
+        (LaunchOptions(nnodes="1:2", master_addr="a", master_port=1), "needs --rdzv-endpoint"),
+        (LaunchOptions(rdzv_endpoint="nohostport"), "expected HOST:PORT"),
+        (LaunchOptions(nnodes="2", master_addr="no-such-host.invalid", master_port=1), "does not resolve"),
+    ],
+)
+def test_bad_launch_options_name_the_flag(opts: LaunchOptions, message: str) -> None:
+    with pytest.raises(LaunchError, match=message.replace("[", r"\[")):
+        torchrun_argv(opts, ["x.py"], module=False)

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainmesh.recipes.gpt.model import GPT, SIZES, GPTConfig, summed_lm_loss
+
+
+def _nano(**kw: object) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(size="nano", block_size=16, vocab_size=64, **kw))  # type: ignore[arg-type]
+
+
+def test_shapes_and_weight_tying() -> None:
+    model = _nano()
+    logits = model(torch.randint(0, 64, (3, 16)))
+    assert logits.shape == (3, 16, 64)
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_untrained_loss_is_near_uniform() -> None:
+    model = _nano()
+    x, y = torch.randint(0, 64, (2, 8, 16))  # targets independent of inputs (tied weights favour x itself)
+    with torch.no_grad():
+        mean = summed_lm_loss(model(x), y) / y.numel()
+    assert abs(float(mean) - math.log(64)) < 0.1
+
+
+def test_gpt2_sizes_have_published_parameter_counts() -> None:
+    cfg = GPTConfig(size="gpt2", block_size=1024, vocab_size=50257)
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(cfg)
+    assert round(model.num_params(non_embedding=False) / 1e6) == 124
+    assert SIZES["gpt2-medium"] == (24, 16, 1024) and SIZES["gpt2-large"] == (36, 20, 1280)
+
+
+def test_flops_per_token_formula() -> None:
+    model = _nano()
+    c = model.cfg
+    assert model.flops_per_token() == 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * 16
+
+
+def test_residual_projections_use_scaled_init() -> None:
+    model = GPT(GPTConfig(size="small", block_size=16, vocab_size=64))
+    std = model.blocks[0].mlp.proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(2 * 6)) < 0.001
+
+
+def test_ignored_targets_do_not_count() -> None:
+    logits = torch.randn(1, 4, 10)
+    targets = torch.tensor([[1, 2, -100, -100]])
+    full = summed_lm_loss(logits[:, :2], targets[:, :2])
+    torch.testing.assert_close(summed_lm_loss(logits, targets), full)
+
+
+def test_generate_extends_the_prompt() -> None:
+    model = _nano().eval()
+    out = model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=20, temperature=1.0, top_k=5)
+    assert out.shape == (1, 23) and int(out.max()) < 64
+
+
+def test_sequence_longer_than_block_size() -> None:
+    with pytest.raises(ValueError, match="exceeds model.block_size=16"):
+        _nano()(torch.zeros(1, 17, dtype=torch.long))

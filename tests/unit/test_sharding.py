@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.data.sharding import DatasetTooSmallError, GlobalBatchSampler, eval_micro_batches
+from trainmesh.train.batch import BatchPlan
+
+
+def _plan(micro: int, dp: int, global_batch: int) -> BatchPlan:
+    return BatchPlan(global_batch, micro, dp, global_batch // (micro * dp))
+
+
+def _rank_ids(num: int, plan: BatchPlan, rank: int, step: int, seed: int = 0) -> list[int]:
+    sampler = GlobalBatchSampler(num, plan, rank, seed)
+    return [i for mb in sampler.micro_batches(step) for i in mb]
+
+
+def test_ranks_are_disjoint_and_cover_the_epoch() -> None:
+    plan = _plan(micro=3, dp=2, global_batch=12)
+    num = 100  # 8 full steps per epoch; the ragged 4 samples are dropped
+    seen: list[int] = []
+    for step in range(8):
+        per_rank = [_rank_ids(num, plan, r, step) for r in range(2)]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        seen += per_rank[0] + per_rank[1]
+    assert len(seen) == len(set(seen)) == 96
+    assert set(seen) <= set(range(num))
+
+
+def test_order_is_reproducible_from_the_seed_and_reshuffled_each_epoch() -> None:
+    plan = _plan(micro=4, dp=1, global_batch=8)
+    a = GlobalBatchSampler(64, plan, 0, seed=7)
+    b = GlobalBatchSampler(64, plan, 0, seed=7)
+    c = GlobalBatchSampler(64, plan, 0, seed=8)
+    assert torch.equal(a.epoch_order(0), b.epoch_order(0))
+    assert not torch.equal(a.epoch_order(0), c.epoch_order(0))
+    assert not torch.equal(a.epoch_order(0), a.epoch_order(1))
+    assert a.epoch_of(8) == 1 and a.global_batch_ids(8).tolist() == a.epoch_order(1)[:8].tolist()
+
+
+def test_each_step_trains_on_the_same_samples_at_any_world_size() -> None:
+    for step in (0, 5, 13):
+        one = _rank_ids(200, _plan(micro=8, dp=1, global_batch=16), 0, step)
+        two = [i for r in range(2) for i in _rank_ids(200, _plan(micro=4, dp=2, global_batch=16), r, step)]
+        four = [i for r in range(4) for i in _rank_ids(200, _plan(micro=2, dp=4, global_batch=16), r, step)]
+        assert sorted(one) == sorted(two) == sorted(four)
+
+
+def test_iterator_resumes_at_a_step() -> None:
+    plan = _plan(micro=2, dp=2, global_batch=8)
+    full = GlobalBatchSampler(40, plan, 1, seed=3)
+    it = iter(full)
+    batches = [next(it) for _ in range(plan.accum_steps * 7)]
+    resumed = iter(GlobalBatchSampler(40, plan, 1, seed=3, start_step=4))
+    assert [next(resumed) for _ in range(plan.accum_steps * 3)] == batches[plan.accum_steps * 4 :]
+
+
+def test_dataset_smaller_than_a_global_batch_is_rejected() -> None:
+    with pytest.raises(DatasetTooSmallError, match="3 samples, fewer than one global batch of 4"):
+        GlobalBatchSampler(3, _plan(micro=2, dp=2, global_batch=4), 0, seed=0)
+
+
+def test_eval_slices_are_fixed_and_disjoint() -> None:
+    r0 = eval_micro_batches(50, 4, 0, 2, limit=3)
+    r1 = eval_micro_batches(50, 4, 1, 2, limit=3)
+    assert len(r0) == len(r1) == 3
+    assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
+    with pytest.raises(DatasetTooSmallError, match="validation set has 5 samples"):
+        eval_micro_batches(5, 4, 0, 2, limit=3)

@@ -29,7 +29,14 @@ def test_indivisible_global_batch_shows_the_arithmetic() -> None:
     assert "train.global_batch_tokens=524288 (= 512 sequences × 1024 tokens)" in message
     assert "train.micro_batch=16 × 3 data-parallel rank(s) = 48" in message
     assert "512 / 48 = 10.67" in message
-    assert "--train.global_batch=480 or 528" in message
+    assert "multiple of 49152 tokens (e.g. --train.global_batch_tokens=491520 or 540672)" in message
+
+
+def test_indivisible_sample_batch_suggests_samples() -> None:
+    with pytest.raises(
+        BatchMathError, match=r"10 / 4 = 2.50.*multiple of 4 samples \(e.g. --train.global_batch=8 or 12\)"
+    ):
+        BatchPlan.derive(TrainConfig(micro_batch=2, global_batch=10), dp_size=2)
 
 
 def test_tokens_that_are_not_whole_sequences() -> None:

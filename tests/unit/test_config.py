@@ -84,3 +84,10 @@ def test_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
 def test_shipped_configs_load() -> None:
     for path in Path(__file__).parents[2].joinpath("configs").glob("*.toml"):
         load_config(path, [], None)
+
+
+def test_config_reference_is_up_to_date() -> None:
+    from trainmesh.config.reference import render
+
+    doc = Path(__file__).parents[2] / "docs" / "config.md"
+    assert doc.read_text() == render(), "regenerate: python -m trainmesh.config.reference > docs/config.md"

@@ -65,13 +65,17 @@ class BatchPlan:
             )
         if global_batch % per_micro_step:
             lower = max(per_micro_step, global_batch // per_micro_step * per_micro_step)
+            if train.global_batch_tokens:  # suggest the key the user actually set
+                unit, key, scale = "tokens", "train.global_batch_tokens", tokens_per_sample
+            else:
+                unit, key, scale = "samples", "train.global_batch", 1
             raise BatchMathError(
                 f"{source} cannot be split evenly: each micro-step processes train.micro_batch={micro} "
                 f"× {dp_size} data-parallel rank(s) = {per_micro_step} samples, and "
                 f"{global_batch} / {per_micro_step} = {global_batch / per_micro_step:.2f} is not a whole "
-                f"number of accumulation steps. Fix: a global batch that is a multiple of {per_micro_step} "
-                f"(e.g. --train.global_batch={lower} or {lower + per_micro_step}), or change "
-                "--train.micro_batch or the number of processes."
+                f"number of accumulation steps. Fix: a global batch that is a multiple of "
+                f"{per_micro_step * scale} {unit} (e.g. --{key}={lower * scale} or "
+                f"{(lower + per_micro_step) * scale}), or change --train.micro_batch or the number of processes."
             )
         return cls(global_batch, micro, dp_size, global_batch // per_micro_step, tokens_per_sample)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import sys
 import textwrap
 from typing import Any
@@ -24,7 +25,7 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(after.value.value).split())

@@ -28,7 +28,7 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
     for node, after in itertools.pairwise(body):
         is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
         if is_field and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
+            docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from trainmesh.config import Config
+from trainmesh.config import Config, dump_toml
+from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt import GPTRecipe
@@ -77,3 +78,10 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
     }
+
+
+def nano_toml(root: Path) -> Path:
+    """The nano settings as a TOML file, for tests that drive the real command line."""
+    path = root / "nano.toml"
+    path.write_text(dump_toml(config_to_dict(nano_config(root))))
+    return path

@@ -42,6 +42,11 @@ class DDPStrategy(Strategy):
         super().__init__(env, device)
         if options.comm_hook not in COMM_HOOKS:
             raise ValueError(f"parallel.ddp.comm_hook={options.comm_hook!r} is not one of {COMM_HOOKS}")
+        if options.comm_hook == "bf16" and device.type != "cuda":
+            raise ValueError(
+                f"parallel.ddp.comm_hook='bf16' needs NCCL on CUDA GPUs (torch's bf16 hook), but the device is "
+                f"{device}. Fix: --parallel.ddp.comm_hook=fp16 (works with gloo) or none."
+            )
         self.options = options
 
     @property

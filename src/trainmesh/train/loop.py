@@ -87,6 +87,9 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         batch_sampler=sampler,
         num_workers=config.data.num_workers,
         pin_memory=runtime.device.type == "cuda",
+        # Its own generator: creating the iterator would otherwise draw from the global RNG, shifting
+        # the dropout stream between a fresh run and a resumed one.
+        generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
     eval_ids = eval_micro_batches(n_val, plan.micro_batch, runtime.dp_rank, runtime.dp_size, tcfg.eval_batches)
     writer = MetricsWriter(run_dir) if runtime.is_main_process else None

@@ -1,0 +1,215 @@
+"""The real command line, end to end: `trainmesh run` (recipe and script), plain `python -m trainmesh`,
+plain torchrun, SLURM-style environment, two simulated nodes, and errors before launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import nano_toml
+from trainmesh.runtime.env import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(
+    *args: str, cwd: Path, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=env or ENV, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _records(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_complete_run(run_dir: Path) -> None:
+    assert (run_dir / "config.toml").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert list((run_dir / "checkpoints").glob("step_*/.metadata"))
+    records = _records(run_dir)
+    val = [r["val_loss"] for r in records if r["kind"] == "val"]
+    assert val[-1] < val[0] - 0.5, f"validation loss did not go down: {val}"
+    assert all(r["loss"] > 0 for r in records if r["kind"] == "train")
+
+
+def test_trainmesh_run_gpt_on_two_processes(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    result = _run(
+        str(BIN / "trainmesh"),
+        "run",
+        "gpt",
+        "--config",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--run-id",
+        "two",
+        "--",
+        "--train.max_steps=40",
+        "--checkpoint.final=true",
+        "--sample.max_new_tokens=20",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_complete_run(tmp_path / "runs" / "two")
+    assert "sample from the trained model" in result.stderr and "done: 40 steps" in result.stderr
+
+
+def test_plain_python_single_process(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    overrides = ["--train.max_steps=40", "--checkpoint.final=true", "--run.name=single"]
+    result = _run(sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_complete_run(tmp_path / "runs" / "single")
+    assert "1 data-parallel rank" in result.stderr
+
+
+def test_plain_torchrun_module(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    result = _run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "trainmesh",
+        "gpt",
+        "--config",
+        str(config),
+        "--train.max_steps=4",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()  # rank 0 named it and told rank 1
+    assert "2 data-parallel rank" in result.stderr and (run_dir / "metrics.jsonl").is_file()
+
+
+def test_slurm_environment(tmp_path: Path) -> None:
+    """Two processes started the way `srun` starts them: SLURM variables only, no torchrun."""
+    config = nano_toml(tmp_path)
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_TASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_JOB_ID": "77",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), "--train.max_steps=4", "--run.name=s"],
+            cwd=tmp_path,
+            env={**ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert "2 data-parallel rank" in outputs[0][1]
+
+
+def test_two_simulated_nodes_match_one_node(tmp_path: Path) -> None:
+    """Two launcher agents (--nnodes 2, c10d rendezvous on loopback) train exactly like one node of 2."""
+    config = nano_toml(tmp_path)
+    common = ["--config", str(config), "--", "--train.max_steps=6"]
+    one = _run(str(BIN / "trainmesh"), "run", "gpt", "--nproc-per-node", "2", "--run-id", "one", *common, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    node_args = ["run", "gpt", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2"]
+    agents = [
+        subprocess.Popen(
+            [str(BIN / "trainmesh"), *node_args, "--run-id", "two", *common],
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [a.communicate(timeout=180) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    losses = [[r.get("loss", r.get("val_loss")) for r in _records(tmp_path / "runs" / n)] for n in ("one", "two")]
+    assert losses[0] == losses[1]
+
+
+def test_script_mode_runs_any_torchrun_script(tmp_path: Path) -> None:
+    result = _run(
+        str(BIN / "trainmesh"), "run", str(ROOT / "examples" / "custom_loop.py"), "--epochs", "2", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0/2 on cpu, strategy ddp" in result.stderr and "epoch 1: mean loss" in result.stderr
+
+
+def test_config_errors_stop_before_any_process_starts(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    start = time.monotonic()
+    result = _run(
+        str(BIN / "trainmesh"),
+        "run",
+        "gpt",
+        "--config",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--",
+        "--train.global_batch=10",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and time.monotonic() - start < 30
+    assert "10 / 8 = 1.25 is not a whole number of accumulation steps" in result.stderr
+    assert "torchrun" not in result.stderr and not (tmp_path / "runs").exists()
+    typo = _run(str(BIN / "trainmesh"), "run", "gpt", "--config", str(config), "--", "--optim.lrr=1", cwd=tmp_path)
+    assert typo.returncode == 2 and "Did you mean 'optim.lr'" in typo.stderr
+
+
+def test_a_failing_rank_is_reported(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    result = _run(
+        str(BIN / "trainmesh"),
+        "run",
+        "gpt",
+        "--config",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--",
+        "--data.source=/no/such/corpus.txt",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    assert "FileNotFoundError" in result.stderr and "rank 0 failed: exit code 1" in result.stderr
+
+
+def test_env_and_check_commands(tmp_path: Path) -> None:
+    env = _run(str(BIN / "trainmesh"), "env", cwd=tmp_path, env={**ENV, "RANK": "3"})
+    assert env.returncode == 0 and "gloo  yes" in env.stdout and "RANK=3" in env.stdout
+    check = _run(
+        str(BIN / "trainmesh"),
+        "check",
+        "gpt",
+        "--config",
+        str(ROOT / "configs" / "gpt2-124m.toml"),
+        "--nproc-per-node",
+        "8",
+        "--nnodes",
+        "1:2",
+        cwd=tmp_path,
+    )
+    assert check.returncode == 0, check.stderr
+    assert "world size 8: OK" in check.stdout and "world size 16: OK" in check.stdout

@@ -213,3 +213,27 @@ def test_env_and_check_commands(tmp_path: Path) -> None:
     )
     assert check.returncode == 0, check.stderr
     assert "world size 8: OK" in check.stdout and "world size 16: OK" in check.stdout
+
+
+def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> None:
+    config = nano_toml(tmp_path)
+    overrides = ["--train.max_steps=3", "--train.compile=true", "--checkpoint.final=true", "--run.name=c"]
+    result = _run(
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "gpt",
+        "--config",
+        str(config),
+        *overrides,
+        "--sample.max_new_tokens=10",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sample from the trained model" in result.stderr
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (checkpoint,) = (tmp_path / "runs" / "c" / "checkpoints").iterdir()
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    assert "model.wte.weight" in keys and not any("_orig_mod" in k for k in keys)

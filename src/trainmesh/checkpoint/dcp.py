@@ -12,9 +12,12 @@ with `weights_only=True`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +88,8 @@ def save_checkpoint(
         (staging / "rng").mkdir(parents=True)
     runtime.barrier()
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     torch.save(_rng_state(), staging / "rng" / f"rank_{runtime.rank}.pt")
     runtime.barrier()  # every shard is on disk
     if runtime.is_main_process:
@@ -101,7 +105,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
     loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=str(path))
+    with _single_process_quiet():
+        dcp.load(loaded, checkpoint_id=str(path))
     runtime.strategy.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
     runtime.precision.load_state_dict(state.precision)
     rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
@@ -111,6 +116,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         log.warning("checkpoint from world size %d: RNG streams restart from the seed", state.world_size)
     log.info("resumed from %s (step %d)", path, state.step)
     return state
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it 'assumes a single process' when there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _rng_state() -> dict[str, Any]:

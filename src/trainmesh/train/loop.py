@@ -178,7 +178,8 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     val_loss = evaluate()
     if config.checkpoint.final and not step_dir(run_dir, state.step).exists():
         checkpoint = _save(run_dir, model, optimizer, state, runtime)
-    sample = recipe.on_train_end(runtime.unwrap(model), config, runtime) if runtime.is_main_process else ""
+    # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
+    sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
     if writer:
         writer.close()
     return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, model)

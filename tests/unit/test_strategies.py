@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.runtime.dist import select_backend, select_device
+from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies import build_strategy, resolve_strategy_name
+
+SINGLE = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single")
+TWO = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
+CPU = torch.device("cpu")
+
+
+def test_auto_picks_ddp_for_several_processes() -> None:
+    assert resolve_strategy_name("auto", 1) == "single"
+    assert resolve_strategy_name("auto", 4) == "ddp"
+
+
+def test_single_with_several_processes_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"strategy='single' runs one process, but the world size is 2.*ddp"):
+        resolve_strategy_name("single", 2)
+
+
+def test_data_parallel_needs_gpus_and_says_what_to_use_on_cpu() -> None:
+    with pytest.raises(ValueError, match=r"needs CUDA GPUs.*--parallel.strategy=ddp.*--nproc-per-node 2"):
+        build_strategy("dp", SINGLE, CPU)
+
+
+def test_data_parallel_is_one_process() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: on CPU dp is refused before the process count is checked")
+    with pytest.raises(ValueError, match="drives all local GPUs from ONE process"):
+        build_strategy("dp", TWO, torch.device("cuda", 0))
+
+
+def test_device_and_backend_choice_on_cpu() -> None:
+    assert select_device("cpu", SINGLE) == CPU
+    assert select_backend("auto", CPU) == "gloo"
+    with pytest.raises(ValueError, match=r"dist.backend='nccl' needs CUDA tensors.*--dist.backend=gloo"):
+        select_backend("nccl", CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without CUDA")
+def test_cuda_requested_without_gpus() -> None:
+    assert select_device("auto", SINGLE) == CPU
+    with pytest.raises(RuntimeError, match=r"dist.device='cuda' but torch sees no CUDA GPU.*--dist.device=cpu"):
+        select_device("cuda", SINGLE)

@@ -24,11 +24,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from trainmesh.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from trainmesh.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
-from trainmesh.metrics.mfu import device_peak, mfu
+from trainmesh.metrics.mfu import Peak, device_peak, mfu
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.recipes.base import Recipe
@@ -78,6 +78,7 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, runtime)
         state.world_size = runtime.world_size
+    start_step = state.step
 
     sampler = GlobalBatchSampler(
         n_train, plan, runtime.dp_rank, config.run.seed, config.data.shuffle, start_step=state.step
@@ -176,7 +177,7 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
 
     progress.close()
     val_loss = evaluate()
-    if config.checkpoint.final and not step_dir(run_dir, state.step).exists():
+    if config.checkpoint.final and state.step > start_step:  # the same decision on every rank
         checkpoint = _save(run_dir, model, optimizer, state, runtime)
     # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
     sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
@@ -210,7 +211,7 @@ def _evaluate(
 
 
 def _throughput_metrics(
-    tokens_per_s: float | None, flops_per_token: float, peak: Any, runtime: Runtime
+    tokens_per_s: float | None, flops_per_token: float, peak: Peak | None, runtime: Runtime
 ) -> dict[str, float]:
     out: dict[str, float] = {}
     if tokens_per_s is not None:

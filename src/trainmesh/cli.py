@@ -16,6 +16,7 @@ from pathlib import Path
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.validate import load_config, validate
 from trainmesh.launch import LaunchError, LaunchOptions, launch
+from trainmesh.rundir import default_run_name, write_config
 from trainmesh.runtime.logging import configure_logging
 from trainmesh.train.batch import BatchPlan
 
@@ -99,9 +100,9 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
-def _validated(config: Config, opts: LaunchOptions) -> BatchPlan:
-    plans = [validate(config, world) for world in opts.world_sizes()]
-    return plans[-1]
+def _validate_all(config: Config, opts: LaunchOptions) -> list[tuple[int, BatchPlan]]:
+    """Check the config at every world size this launch may run at (several when elastic)."""
+    return [(world, validate(config, world)) for world in opts.world_sizes()]
 
 
 def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -112,15 +113,14 @@ def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     overrides = _split_recipe_args(parser, args)
     opts = _launch_options(args)
     config = load_config(args.config, overrides, args.target)
-    plan = _validated(config, opts)  # before any process starts
-    from trainmesh.worker import default_run_name, write_config
-
+    plans = _validate_all(config, opts)  # before any process starts
     suffix = opts.default_run_suffix()
     name = config.run.name or (f"{config.run.recipe}-{suffix}" if suffix else default_run_name(config.run.recipe))
     config.run.name = name
     run_dir = Path(config.run.out_dir) / name
     config_path = write_config(run_dir, config)
-    log.info("%s", plan.describe())
+    for world, plan in plans:
+        log.info("world size %d: %s", world, plan.describe())
     entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
     return launch(opts, entry, module=True)
 
@@ -129,8 +129,7 @@ def cmd_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     overrides = _split_recipe_args(parser, args)
     opts = _launch_options(args)
     config = load_config(args.config, overrides, args.target)
-    for world in opts.world_sizes():
-        plan = validate(config, world)
+    for world, plan in _validate_all(config, opts):
         print(f"world size {world}: OK — {plan.describe()}")
     return 0
 

@@ -7,7 +7,6 @@ plain `torchrun -m trainmesh ...`, SLURM's `srun python -m trainmesh ...`, and a
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
 import os
 import sys
@@ -19,6 +18,7 @@ from trainmesh.config import Config, ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config, validate
 from trainmesh.recipes import Recipe, get_recipe
+from trainmesh.rundir import default_run_name, write_config
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
@@ -26,22 +26,6 @@ from trainmesh.strategies import DDPOptions
 from trainmesh.train.loop import TrainResult, train
 
 log = get_logger(__name__)
-
-CONFIG_FILE = "config.toml"
-
-
-def default_run_name(recipe: str) -> str:
-    return f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
-def write_config(run_dir: Path, config: Config) -> Path:
-    """Write the resolved config atomically (several node launchers may write the same file)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
-    tmp.write_text(dump_toml(config_to_dict(config)))
-    tmp.replace(path)
-    return path
 
 
 def build_runtime(config: Config) -> Runtime:

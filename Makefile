@@ -1,6 +1,7 @@
 # Two entry points: `make run` (train the default GPT) and `make test` (the whole suite).
-# Both create .venv on first use. torch is pinned to 2.13.0 when the venv has none, because an
-# unpinned install would pull a multi-GB CUDA build; pyproject.toml keeps the supported range torch>=2.6.
+# Both create .venv on first use. When the venv has no torch, torch==2.13.0 is installed first: the
+# development and CI machines carry a CPU wheel of exactly that version for pip, while an unpinned
+# install would fetch the newest multi-GB CUDA build. pyproject.toml keeps the supported range torch>=2.6.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0

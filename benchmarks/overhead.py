@@ -222,7 +222,7 @@ def rank_main(args: argparse.Namespace, extra: list[str]) -> int:
         f"--train.max_steps={args.steps}",
         "--run.log_every=1",
         "--train.eval_every=0",
-        "--train.eval_batches=1",
+        "--train.eval_samples=16",
         "--checkpoint.final=false",
         "--sample.max_new_tokens=0",
         "--run.progress=false",

@@ -22,7 +22,7 @@ NANO = [
     "--train.micro_batch=4",
     "--train.max_steps=4",
     "--train.eval_every=0",
-    "--train.eval_batches=2",
+    "--train.eval_samples=16",
     "--sample.max_new_tokens=0",
     "--run.progress=false",
     "--run.log_every=1",
@@ -71,10 +71,9 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
     config = nano_config(Path(root), *overrides)
     recipe: Recipe | None = PaddedGPTRecipe() if padded else None
     result = run_worker(config, Path(root) / "runs" / config.run.name, recipe=recipe)
-    model = result.model.module if hasattr(result.model, "module") else result.model
     return {
         "rank": rank,
-        "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().cpu().clone() for k, v in result.model.state_dict().items()},
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
     }

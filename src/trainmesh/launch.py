@@ -73,7 +73,13 @@ class LaunchOptions:
         """Nodes must agree on the run directory; derive it from what they already share."""
         if not self.multi_node:
             return None
-        return self.rdzv_id or f"{self.master_addr}-{self.master_port}".replace(".", "-").replace(":", "-")
+        return self.rendezvous_id() or f"{self.master_addr}-{self.master_port}".replace(".", "-")
+
+    def rendezvous_id(self) -> str | None:
+        """The c10d job id: given, or derived from the endpoint every node was told (so they agree)."""
+        if not self.rdzv_endpoint:
+            return None
+        return self.rdzv_id or "tm-" + self.rdzv_endpoint.replace(".", "-").replace(":", "-")
 
 
 def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[str]:
@@ -89,7 +95,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
         argv += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
-            f"--rdzv-id={opts.rdzv_id or 'trainmesh'}",
+            f"--rdzv-id={opts.rendezvous_id()}",
         ]
         if _is_loopback(host):
             argv.append("--local-addr=127.0.0.1")  # workers then meet on loopback too

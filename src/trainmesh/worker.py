@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -69,12 +70,9 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
 
 
 def _report(result: TrainResult, run_dir: Path) -> None:
+    start = "" if math.isnan(result.initial_val_loss) else f" (at start {result.initial_val_loss:.4f})"
     log.info(
-        "done: %d steps | train loss %.4f | val loss %.4f (at start %.4f)",
-        result.steps,
-        result.train_loss,
-        result.val_loss,
-        result.initial_val_loss,
+        "done: %d steps | train loss %.4f | val loss %.4f%s", result.steps, result.train_loss, result.val_loss, start
     )
     log.info("run directory: %s (config.toml, metrics.jsonl, tensorboard/, loss.png, checkpoints/)", run_dir)
     if result.sample:

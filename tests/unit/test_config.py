@@ -91,3 +91,10 @@ def test_config_reference_is_up_to_date() -> None:
 
     doc = Path(__file__).parents[2] / "docs" / "config.md"
     assert doc.read_text() == render(), "regenerate: python -m trainmesh.config.reference > docs/config.md"
+
+
+def test_derived_values_are_filled_in_at_load_time(tmp_path: Path) -> None:
+    assert load_config(None, [], "gpt").model.vocab_size == 256  # type: ignore[attr-defined]
+    assert load_config(None, ["--model.vocab_size=300"], "gpt").model.vocab_size == 300  # type: ignore[attr-defined]
+    shards = load_config(None, [f"--data.source={tmp_path}"], "gpt")  # a folder of shards: the config must say
+    assert shards.model.vocab_size == 0  # type: ignore[attr-defined]

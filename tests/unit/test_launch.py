@@ -49,3 +49,9 @@ def test_elastic_c10d() -> None:
 def test_bad_launch_options_name_the_flag(opts: LaunchOptions, message: str) -> None:
     with pytest.raises(LaunchError, match=message.replace("[", r"\[")):
         torchrun_argv(opts, ["x.py"], module=False)
+
+
+def test_c10d_without_an_id_derives_one_from_the_endpoint() -> None:
+    opts = LaunchOptions(nnodes="2", rdzv_endpoint="10.0.0.1:29400")
+    assert opts.rendezvous_id() == "tm-10-0-0-1-29400" == opts.default_run_suffix()
+    assert "--rdzv-id=tm-10-0-0-1-29400" in torchrun_argv(opts, ["x.py"], module=False)

@@ -61,10 +61,12 @@ def test_dataset_smaller_than_a_global_batch_is_rejected() -> None:
         GlobalBatchSampler(3, _plan(micro=2, dp=2, global_batch=4), 0, seed=0)
 
 
-def test_eval_slices_are_fixed_and_disjoint() -> None:
-    r0 = eval_micro_batches(50, 4, 0, 2, limit=3)
-    r1 = eval_micro_batches(50, 4, 1, 2, limit=3)
-    assert len(r0) == len(r1) == 3
-    assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
-    with pytest.raises(DatasetTooSmallError, match="validation set has 5 samples"):
-        eval_micro_batches(5, 4, 0, 2, limit=3)
+def test_eval_slice_is_the_same_at_every_world_size() -> None:
+    for dp in (1, 2, 3):
+        shares = [eval_micro_batches(50, 22, 4, r, dp) for r in range(dp)]
+        ids = [i for share in shares for batch in share for i in batch]
+        assert sorted(ids) == list(range(22)) and len(ids) == len(set(ids))
+    assert [len(b) for b in eval_micro_batches(50, 22, 4, 0, 1)] == [4, 4, 4, 4, 4, 2]
+    assert sum(len(b) for b in eval_micro_batches(5, 22, 4, 0, 1)) == 5  # fewer exist: all of them
+    with pytest.raises(DatasetTooSmallError, match="validation set is empty"):
+        eval_micro_batches(0, 22, 4, 0, 2)

@@ -46,3 +46,8 @@ def test_cuda_requested_without_gpus() -> None:
     assert select_device("auto", SINGLE) == CPU
     with pytest.raises(RuntimeError, match=r"dist.device='cuda' but torch sees no CUDA GPU.*--dist.device=cpu"):
         select_device("cuda", SINGLE)
+
+
+def test_data_parallel_with_several_processes_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match=r"strategy='dp' drives all local GPUs from ONE process.*world size is 2"):
+        resolve_strategy_name("dp", 2)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from trainmesh.config.schema import Config, ModelConfig
 

@@ -35,9 +35,10 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
 def _rows(cls: type[Any], prefix: str) -> list[str]:
     rows: list[str] = []
     docs = field_docs(cls)
-    instance = cls()
     for f in dataclasses.fields(cls):
-        value = getattr(instance, f.name)
+        # The declared default, not an instance's value (__post_init__ may fill in derived values).
+        factory: Any = f.default_factory
+        value = f.default if f.default is not dataclasses.MISSING else factory()
         if dataclasses.is_dataclass(value):
             rows += _rows(type(value), f"{prefix}{f.name}.")
             continue

@@ -109,8 +109,8 @@ class TrainConfig:
     """Compile the model with torch.compile."""
     eval_every: int = 100
     """Optimizer steps between validation passes; 0: only at the end."""
-    eval_batches: int = 20
-    """Micro-batches per rank in each validation pass."""
+    eval_samples: int = 256
+    """Validation samples per evaluation: a fixed slice, the same at every world size."""
 
     def __post_init__(self) -> None:
         _at_least("train.max_steps", self.max_steps, 1)
@@ -120,7 +120,7 @@ class TrainConfig:
         _one_of("train.precision", self.precision, PRECISIONS)
         _at_least("train.grad_clip", self.grad_clip, 0)
         _at_least("train.eval_every", self.eval_every, 0)
-        _at_least("train.eval_batches", self.eval_batches, 1)
+        _at_least("train.eval_samples", self.eval_samples, 1)
 
 
 @dataclass

@@ -24,10 +24,14 @@ def load_config(path: str | Path | None, overrides: list[str], recipe: str | Non
     name = recipe or in_file or "gpt"
     data.setdefault("run", {})["recipe"] = name
     try:
-        model_cls = get_recipe(name).model_config_cls
-    except ValueError as e:
+        chosen = get_recipe(name)
+        config = build_config(data, chosen.model_config_cls)
+        chosen.complete_config(config)
+    except ConfigError:
+        raise
+    except ValueError as e:  # unknown recipe or tokenizer
         raise ConfigError(str(e)) from None
-    return build_config(data, model_cls)
+    return config
 
 
 def validate(config: Config, world_size: int) -> BatchPlan:

@@ -87,15 +87,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch * self.plan.accum_steps
 
 
-def eval_micro_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int, limit: int) -> list[list[int]]:
-    """A fixed validation slice: the same micro-batches every evaluation, disjoint across ranks."""
-    per_round = micro_batch * dp_size
-    rounds = min(limit, num_samples // per_round)
-    if rounds < 1:
+def eval_micro_batches(
+    num_samples: int, eval_samples: int, micro_batch: int, dp_rank: int, dp_size: int
+) -> list[list[int]]:
+    """This rank's share of a fixed validation slice: samples 0..eval_samples-1 (all, if fewer exist)
+    cut into micro-batches dealt round-robin to the ranks. The slice does not depend on the number of
+    ranks, so validation losses compare across world sizes; ranks may get unequal shares."""
+    if num_samples < 1:
         raise DatasetTooSmallError(
-            f"the validation set has {num_samples} samples, fewer than one micro-batch per rank "
-            f"({micro_batch} × {dp_size} ranks = {per_round}). Fix: a larger data.val_fraction or "
-            "corpus, or a smaller --train.micro_batch."
+            "the validation set is empty. Fix: a larger data.val_fraction or corpus, or a smaller model.block_size."
         )
-    ids = torch.arange(rounds * per_round).view(rounds, dp_size, micro_batch)
-    return ids[:, dp_rank].tolist()
+    chunks = torch.arange(min(eval_samples, num_samples)).split(micro_batch)
+    return [chunk.tolist() for chunk in chunks[dp_rank::dp_size]]

@@ -11,17 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-# (device-name fragment, dtype) -> dense peak FLOP/s
-_PEAKS: list[tuple[str, torch.dtype, float]] = [
-    ("H200", torch.bfloat16, 989e12),
-    ("H100", torch.bfloat16, 989e12),
-    ("A100", torch.bfloat16, 312e12),
-    ("H200", torch.float16, 989e12),
-    ("H100", torch.float16, 989e12),
-    ("A100", torch.float16, 312e12),
-    ("H200", torch.float32, 494.5e12),  # TF32 tensor cores (the default for fp32 matmuls in trainmesh)
-    ("H100", torch.float32, 494.5e12),
-    ("A100", torch.float32, 156e12),
+# (device-name fragment, dense peak FLOP/s for bf16/fp16 tensor cores, for plain fp32). First match wins,
+# so the PCIe/NVL variants come before the bare "H100" (SXM). fp32 is the non-tensor-core peak because
+# trainmesh leaves TF32 off (torch's default), so `32-true` matmuls run in true fp32.
+_PEAKS: list[tuple[str, float, float]] = [
+    ("H200", 989e12, 67e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
 ]
 
 FORMULA = "MFU = tokens/s × (6·N + 12·L·H·Q·T) / peak"
@@ -41,9 +39,9 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> Peak | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, peak_dtype, flops in _PEAKS:
-        if fragment in name and peak_dtype == dtype:
-            return Peak(name, dtype, flops)
+    for fragment, half_flops, fp32_flops in _PEAKS:
+        if fragment in name:
+            return Peak(name, dtype, fp32_flops if dtype == torch.float32 else half_flops)
     return None
 
 

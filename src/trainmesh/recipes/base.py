@@ -27,6 +27,10 @@ class Recipe(ABC):
         del model
         return 0
 
+    def complete_config(self, config: Config) -> None:
+        """Fill in values derived from other keys (at load time, so the written config is exact)."""
+        del config
+
     @abstractmethod
     def prepare(self, config: Config, runtime: Runtime) -> None:
         """Make the data ready (tokenise/cache on one process per node) and finish the model config."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -116,11 +117,13 @@ def teardown(success: bool, grace_s: float = 10.0) -> None:
     if not dist.is_initialized():
         return
     if success:
-        # Drain in-flight work first. Without this, gloo can deadlock at exit (seen with torch 2.13): a
-        # DDP Reducer keeps the last reference to the group, so ~ProcessGroupGloo runs later, during
-        # garbage collection with the GIL held, and joins a gloo thread that is still waiting for the
-        # GIL to free a tensor of the last all-reduce. Waiting in the barrier releases the GIL.
+        # Workaround for pytorch/pytorch#56297 (~ProcessGroupGloo blocks while holding the GIL): a DDP
+        # Reducer that outlives this call frees the group later, during garbage collection, and joins
+        # gloo threads; one still freeing a tensor of the last collective needs the GIL -> deadlock
+        # (seen with torch 2.13, about 1 exit in 10). So let every collective finish (barrier) and give
+        # those threads a moment without the GIL to drop their last work items before destroying.
         dist.barrier()
+        time.sleep(0.05)
         dist.destroy_process_group()
         return
     worker = threading.Thread(target=dist.destroy_process_group, daemon=True)

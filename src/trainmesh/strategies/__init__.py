@@ -29,6 +29,11 @@ def resolve_strategy_name(name: str, world_size: int) -> str:
         raise ValueError(f"parallel.strategy={name!r} is not one of {', '.join(STRATEGIES)}")
     if name == "auto":
         return "ddp" if world_size > 1 else "single"
+    if name == "dp" and world_size > 1:
+        raise ValueError(
+            f"parallel.strategy='dp' drives all local GPUs from ONE process, but the world size is {world_size}. "
+            "Fix: --nproc-per-node 1 with dp, or use --parallel.strategy=ddp."
+        )
     if name == "single" and world_size > 1:
         raise ValueError(
             f"parallel.strategy='single' runs one process, but the world size is {world_size}. "

@@ -41,6 +41,11 @@ class Strategy(ABC):
     def dp_rank(self) -> int:
         return 0
 
+    @property
+    def devices_per_process(self) -> int:
+        """Accelerators one process computes on (several only for nn.DataParallel); used for MFU."""
+        return 1
+
     # -- model --------------------------------------------------------------------------------------
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -33,6 +33,10 @@ class DataParallelStrategy(Strategy):
         super().__init__(env, device)
         self.device_ids = list(range(torch.cuda.device_count()))
 
+    @property
+    def devices_per_process(self) -> int:
+        return len(self.device_ids)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.device)
         if len(self.device_ids) < 2:

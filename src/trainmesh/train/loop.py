@@ -92,7 +92,7 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         # the dropout stream between a fresh run and a resumed one.
         generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
-    eval_ids = eval_micro_batches(n_val, plan.micro_batch, runtime.dp_rank, runtime.dp_size, tcfg.eval_batches)
+    eval_ids = eval_micro_batches(n_val, tcfg.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
     writer = MetricsWriter(run_dir) if runtime.is_main_process else None
     peak = device_peak(runtime.device, runtime.precision.compute_dtype)
     if runtime.is_main_process:
@@ -106,7 +106,8 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
             log.info("MFU: %s", peak.describe())
 
     def evaluate() -> float:
-        val_loss = _evaluate(model, val_set, eval_ids, recipe, runtime)
+        # On the raw model: ranks may hold unequal shares, and a wrapper's forward could hold collectives.
+        val_loss = _evaluate(raw_model, val_set, eval_ids, recipe, runtime)
         if writer:
             writer.write(state.step, {"val_loss": val_loss}, kind="val")
         return val_loss
@@ -183,7 +184,8 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
     if writer:
         writer.close()
-    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, model)
+    # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
+    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model)
 
 
 def _save(
@@ -216,7 +218,8 @@ def _throughput_metrics(
     out: dict[str, float] = {}
     if tokens_per_s is not None:
         out["tokens_per_s"] = tokens_per_s
-        value = mfu(flops_per_token, tokens_per_s / runtime.world_size, peak)
+        devices = runtime.world_size * runtime.strategy.devices_per_process
+        value = mfu(flops_per_token, tokens_per_s / devices, peak)
         if value is not None:
             out["mfu"] = value
     if runtime.device.type == "cuda":

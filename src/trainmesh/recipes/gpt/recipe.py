@@ -32,6 +32,12 @@ class GPTRecipe(Recipe):
         assert isinstance(model, GPTConfig)
         return model.block_size
 
+    def complete_config(self, config: Config) -> None:
+        model = config.model
+        assert isinstance(model, GPTConfig)
+        if not model.vocab_size and not Path(config.data.source).expanduser().is_dir():
+            model.vocab_size = get_tokenizer(config.data.tokenizer).vocab_size  # text sources: the tokenizer's
+
     def prepare(self, config: Config, runtime: Runtime) -> None:
         cfg = config.data
         model = config.model

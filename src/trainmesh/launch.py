@@ -147,8 +147,16 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:
+        first_rank, first = e.get_first_failure()  # by time: the root cause; the others often follow from it
+        log.error("rank %d failed first: %s", first_rank, _describe(first.exitcode, first.signal_name()))
+        message: object = first.message  # the error file's text, or its nested {"message": ...} record
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        if message:
+            log.error("rank %d error: %s", first_rank, message)
         for rank, failure in sorted(e.failures.items()):
-            log.error("rank %d failed: %s", rank, _describe(failure.exitcode, failure.signal_name()))
+            if rank != first_rank:
+                log.error("rank %d then: %s", rank, _describe(failure.exitcode, failure.signal_name()))
         return 1
     return 0
 

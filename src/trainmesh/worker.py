@@ -62,7 +62,10 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
         result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir)
         if runtime.is_main_process:
             _report(result, run_dir)
-    except BaseException:
+    except BaseException as e:
+        # Report at once, on every rank: peers may fail next, and torchrun then stops this process too.
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            log.error("rank %d failed: %s", runtime.rank, e, exc_info=True)
         runtime.teardown(success=False)
         raise
     runtime.teardown(success=True)

@@ -193,7 +193,8 @@ def test_a_failing_rank_is_reported(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 1
-    assert "FileNotFoundError" in result.stderr and "rank 0 failed: exit code 1" in result.stderr
+    assert "FileNotFoundError: data.source='/no/such/corpus.txt' is neither" in result.stderr
+    assert "rank 0 failed:" in result.stderr and " failed first: exit code 1" in result.stderr
 
 
 def test_env_and_check_commands(tmp_path: Path) -> None:

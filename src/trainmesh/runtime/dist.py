@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 from datetime import timedelta
 
@@ -108,29 +107,23 @@ def init_process_group(
     )
 
 
-def teardown(success: bool, grace_s: float = 10.0) -> None:
+def teardown(success: bool) -> None:
     """Leave the process group without hanging.
 
-    After an error a peer may never arrive, and `destroy_process_group` can then block forever (NCCL),
-    so on failure it runs in a daemon thread that is abandoned after `grace_s`.
+    Only after success: after an error a peer may never arrive and `destroy_process_group` could block
+    (torchtitan does the same). A failing process is about to exit, which releases the group anyway,
+    and every second spent here is a second in which torchrun may kill it before its error is reported.
     """
-    if not dist.is_initialized():
+    if not dist.is_initialized() or not success:
         return
-    if success:
-        # Workaround for pytorch/pytorch#56297 (~ProcessGroupGloo blocks while holding the GIL): a DDP
-        # Reducer that outlives this call frees the group later, during garbage collection, and joins
-        # gloo threads; one still freeing a tensor of the last collective needs the GIL -> deadlock
-        # (seen with torch 2.13, about 1 exit in 10). So let every collective finish (barrier) and give
-        # those threads a moment without the GIL to drop their last work items before destroying.
-        dist.barrier()
-        time.sleep(0.05)
-        dist.destroy_process_group()
-        return
-    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    worker.start()
-    worker.join(grace_s)
-    if worker.is_alive():
-        log.warning("destroy_process_group did not return within %.0fs; leaving it behind", grace_s)
+    # Workaround for pytorch/pytorch#56297 (~ProcessGroupGloo blocks while holding the GIL): a DDP
+    # Reducer that outlives this call frees the group later, during garbage collection, and joins
+    # gloo threads; one still freeing a tensor of the last collective needs the GIL -> deadlock
+    # (seen with torch 2.13, about 1 exit in 10). So let every collective finish (barrier) and give
+    # those threads a moment without the GIL to drop their last work items before destroying.
+    dist.barrier()
+    time.sleep(0.05)
+    dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
@@ -44,6 +44,21 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+
+
+class PendingReduce:
+    """An all-reduce in flight; `result()` waits once and returns the reduced number."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any, divisor: int) -> None:
+        self._tensor, self._work, self._divisor = tensor, work, divisor
+        self._value: float | None = None
+
+    def result(self) -> float:
+        if self._value is None:
+            if self._work is not None:
+                self._work.wait()
+            self._value = float(self._tensor) / self._divisor
+        return self._value
 
 
 class Runtime:
@@ -171,7 +186,9 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
-    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+    def forward_backward(
+        self, model: nn.Module, batch: Any, loss_fn: LossFn, scale: Callable[[], float]
+    ) -> torch.Tensor:
         return self.strategy.forward_backward(model, batch, loss_fn, scale, self.precision)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -193,6 +210,15 @@ class Runtime:
             if op == "mean":
                 tensor /= self.world_size
         return tensor
+
+    def all_reduce_async(self, value: float, op: ReduceOp = "sum") -> PendingReduce:
+        """Start reducing a number over all ranks; `.result()` waits for it (overlap it with compute)."""
+        tensor = torch.tensor(value, dtype=torch.float64 if self.device.type == "cpu" else torch.float32)
+        tensor = tensor.to(self.device)
+        work = None
+        if self._has_group and self.world_size > 1:
+            work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
+        return PendingReduce(tensor, work, self.world_size if op == "mean" and work else 1)
 
     def barrier(self) -> None:
         if self._has_group:

@@ -63,16 +63,17 @@ class Strategy(ABC):
         yield
 
     def forward_backward(
-        self, module: nn.Module, batch: Any, loss_fn: LossFn, scale: float, precision: Precision
+        self, module: nn.Module, batch: Any, loss_fn: LossFn, scale: Callable[[], float], precision: Precision
     ) -> torch.Tensor:
         """Run forward and backward on one micro-batch; returns the unscaled loss (detached).
 
-        `scale` turns the recipe's summed loss into this micro-batch's share of the global mean, with
-        the gradient averaging of data parallelism already accounted for (see train/batch.py).
+        `scale()` turns the recipe's summed loss into this micro-batch's share of the global mean, with
+        the gradient averaging of data parallelism already accounted for (see train/batch.py). It is
+        called after the forward, so the all-reduce it may wait for overlaps the forward pass.
         """
         with precision.autocast():
             loss = loss_fn(module, batch)
-        precision.backward(loss * scale)
+        precision.backward(loss * scale())
         return loss.detach()
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:

@@ -34,7 +34,7 @@ from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.dist import seed_everything
 from trainmesh.runtime.logging import get_logger
-from trainmesh.runtime.runtime import Runtime
+from trainmesh.runtime.runtime import PendingReduce, Runtime
 from trainmesh.train.batch import BatchPlan, loss_scale
 from trainmesh.train.optim import build_optimizer, lr_at, set_lr
 from trainmesh.versions import versions
@@ -130,8 +130,10 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
 
         micro_batches = [next(data) for _ in range(plan.accum_steps)]
         local_targets = sum(recipe.count_targets(mb) for mb in micro_batches)  # counted on the CPU
-        global_targets = float(runtime.all_reduce(local_targets, "sum"))
-        scale = loss_scale(global_targets, runtime.dp_size)
+        targets = runtime.all_reduce_async(local_targets, "sum")  # in flight during the first forward
+
+        def scale(targets: PendingReduce = targets) -> float:  # bound to this step's count
+            return loss_scale(targets.result(), runtime.dp_size)
 
         for i, batch in enumerate(micro_batches):
             last = i == plan.accum_steps - 1
@@ -144,7 +146,7 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
 
         state.step = step + 1
         state.samples_seen += plan.global_batch
-        window_targets += global_targets
+        window_targets += targets.result()
         window_steps += 1
 
         if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps:

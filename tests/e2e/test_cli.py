@@ -28,6 +28,26 @@ def _run(
     return subprocess.run(args, cwd=cwd, env=env or ENV, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def _trainmesh(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return _run(str(BIN / "trainmesh"), *args, cwd=cwd)
+
+
+def _run_gpt(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`trainmesh run gpt` on the nano config with 2 processes; `args` add launch flags and overrides."""
+    return _trainmesh(cwd, "run", "gpt", "--config", str(nano_toml(cwd)), "--nproc-per-node", "2", *args)
+
+
+def _run_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> list[str]:
+    """Start the commands at once (like nodes or srun tasks), wait for all; asserts each exits 0."""
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(e[-2000:] for e in errors)
+    return errors
+
+
 def _records(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -44,23 +64,8 @@ def _assert_complete_run(run_dir: Path) -> None:
 
 
 def test_trainmesh_run_gpt_on_two_processes(tmp_path: Path) -> None:
-    config = nano_toml(tmp_path)
-    result = _run(
-        str(BIN / "trainmesh"),
-        "run",
-        "gpt",
-        "--config",
-        str(config),
-        "--nproc-per-node",
-        "2",
-        "--run-id",
-        "two",
-        "--",
-        "--train.max_steps=40",
-        "--checkpoint.final=true",
-        "--sample.max_new_tokens=20",
-        cwd=tmp_path,
-    )
+    overrides = ["--train.max_steps=40", "--checkpoint.final=true", "--sample.max_new_tokens=20"]
+    result = _run_gpt(tmp_path, "--run-id", "two", "--", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "runs" / "two")
     assert "sample from the trained model" in result.stderr and "done: 40 steps" in result.stderr
@@ -107,111 +112,54 @@ def test_slurm_environment(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "77",
         "MASTER_PORT": str(free_port()),
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), "--train.max_steps=4", "--run.name=s"],
-            cwd=tmp_path,
-            env={**ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert "2 data-parallel rank" in outputs[0][1]
+    task = [sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), "--train.max_steps=4", "--run.name=s"]
+    envs = [{**ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)]
+    errors = _run_together([task, task], envs, tmp_path)
+    assert "2 data-parallel rank" in errors[0]
 
 
 def test_two_simulated_nodes_match_one_node(tmp_path: Path) -> None:
     """Two launcher agents (--nnodes 2, c10d rendezvous on loopback) train exactly like one node of 2."""
     config = nano_toml(tmp_path)
     common = ["--config", str(config), "--", "--train.max_steps=6"]
-    one = _run(str(BIN / "trainmesh"), "run", "gpt", "--nproc-per-node", "2", "--run-id", "one", *common, cwd=tmp_path)
+    one = _trainmesh(tmp_path, "run", "gpt", "--nproc-per-node", "2", "--run-id", "one", *common)
     assert one.returncode == 0, one.stderr[-3000:]
     endpoint = f"127.0.0.1:{free_port()}"
     node_args = ["run", "gpt", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2"]
-    agents = [
-        subprocess.Popen(
-            [str(BIN / "trainmesh"), *node_args, "--run-id", "two", *common],
-            cwd=tmp_path,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = [a.communicate(timeout=180) for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    agent = [str(BIN / "trainmesh"), *node_args, "--run-id", "two", *common]
+    _run_together([agent, agent], [ENV, ENV], tmp_path)
     losses = [[r.get("loss", r.get("val_loss")) for r in _records(tmp_path / "runs" / n)] for n in ("one", "two")]
     assert losses[0] == losses[1]
 
 
 def test_script_mode_runs_any_torchrun_script(tmp_path: Path) -> None:
-    result = _run(
-        str(BIN / "trainmesh"), "run", str(ROOT / "examples" / "custom_loop.py"), "--epochs", "2", cwd=tmp_path
-    )
+    result = _trainmesh(tmp_path, "run", str(ROOT / "examples" / "custom_loop.py"), "--epochs", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0/2 on cpu, strategy ddp" in result.stderr and "epoch 1: mean loss" in result.stderr
 
 
 def test_config_errors_stop_before_any_process_starts(tmp_path: Path) -> None:
-    config = nano_toml(tmp_path)
     start = time.monotonic()
-    result = _run(
-        str(BIN / "trainmesh"),
-        "run",
-        "gpt",
-        "--config",
-        str(config),
-        "--nproc-per-node",
-        "2",
-        "--",
-        "--train.global_batch=10",
-        cwd=tmp_path,
-    )
+    result = _run_gpt(tmp_path, "--", "--train.global_batch=10")
     assert result.returncode == 2 and time.monotonic() - start < 30
     assert "10 / 8 = 1.25 is not a whole number of accumulation steps" in result.stderr
     assert "torchrun" not in result.stderr and not (tmp_path / "runs").exists()
-    typo = _run(str(BIN / "trainmesh"), "run", "gpt", "--config", str(config), "--", "--optim.lrr=1", cwd=tmp_path)
+    typo = _run_gpt(tmp_path, "--", "--optim.lrr=1")
     assert typo.returncode == 2 and "Did you mean 'optim.lr'" in typo.stderr
 
 
 def test_a_failing_rank_is_reported(tmp_path: Path) -> None:
-    config = nano_toml(tmp_path)
-    result = _run(
-        str(BIN / "trainmesh"),
-        "run",
-        "gpt",
-        "--config",
-        str(config),
-        "--nproc-per-node",
-        "2",
-        "--",
-        "--data.source=/no/such/corpus.txt",
-        cwd=tmp_path,
-    )
+    result = _run_gpt(tmp_path, "--", "--data.source=/no/such/corpus.txt")
     assert result.returncode == 1
     assert "FileNotFoundError: data.source='/no/such/corpus.txt' is neither" in result.stderr
     assert "rank 0 failed:" in result.stderr and " failed first: exit code 1" in result.stderr
 
 
 def test_env_and_check_commands(tmp_path: Path) -> None:
-    env = _run(str(BIN / "trainmesh"), "env", cwd=tmp_path, env={**ENV, "RANK": "3"})
+    env = _run(str(BIN / "trainmesh"), "env", cwd=tmp_path, env={**ENV, "RANK": "3"})  # a variable to report
     assert env.returncode == 0 and "gloo  yes" in env.stdout and "RANK=3" in env.stdout
-    check = _run(
-        str(BIN / "trainmesh"),
-        "check",
-        "gpt",
-        "--config",
-        str(ROOT / "configs" / "gpt2-124m.toml"),
-        "--nproc-per-node",
-        "8",
-        "--nnodes",
-        "1:2",
-        cwd=tmp_path,
-    )
+    gpt2 = str(ROOT / "configs" / "gpt2-124m.toml")
+    check = _trainmesh(tmp_path, "check", "gpt", "--config", gpt2, "--nproc-per-node", "8", "--nnodes", "1:2")
     assert check.returncode == 0, check.stderr
     assert "world size 8: OK" in check.stdout and "world size 16: OK" in check.stdout
 

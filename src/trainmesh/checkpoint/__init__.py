@@ -5,6 +5,7 @@ from trainmesh.checkpoint.dcp import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_full_state,
     save_checkpoint,
     step_dir,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_full_state",
     "save_checkpoint",
     "step_dir",
 ]

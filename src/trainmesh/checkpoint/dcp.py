@@ -16,6 +16,7 @@ import contextlib
 import json
 import random
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from trainmesh.faults import maybe_inject
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -91,6 +94,7 @@ def save_checkpoint(
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     torch.save(_rng_state(), staging / "rng" / f"rank_{runtime.rank}.pt")
+    maybe_inject(state.step, "checkpoint", runtime.rank, run_dir)  # test hook: die before the commit
     runtime.barrier()  # every shard is on disk
     if runtime.is_main_process:
         (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
@@ -124,6 +128,16 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def read_full_state(path: Path) -> dict[str, Any]:
+    """Every tensor of a committed checkpoint, in one process and without a process group
+    ({"model": {...}, "optim": {...}}); for inspection, comparison and export."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "full.pt"
+        with _single_process_quiet():
+            dcp_to_torch_save(str(path), str(target))
+        return dict(torch.load(target, weights_only=True))
 
 
 def _rng_state() -> dict[str, Any]:

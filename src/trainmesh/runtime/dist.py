@@ -97,14 +97,35 @@ def init_process_group(
     log.debug(
         "init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size, env.master_addr, env.master_port
     )
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=_attempt_store(env, timeout),
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with every key namespaced by torchrun's restart attempt.
+
+    Under torchrun the store outlives a failed attempt (the agent hosts it), and a restarted group can
+    read the dead attempt's peer addresses before the new ones are written: gloo then fails with
+    "connection refused" (seen with torch 2.13 in about 2 restarts of 3; cf. pytorch/pytorch#167288).
+    A per-attempt prefix makes every attempt meet on fresh keys.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=env.rank == 0 and not agent_hosts_it,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trainmesh/attempt-{attempt}", store)
 
 
 def teardown(success: bool) -> None:

@@ -28,6 +28,7 @@ from trainmesh.checkpoint import TrainerState, latest_checkpoint, load_checkpoin
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
+from trainmesh.faults import maybe_inject
 from trainmesh.metrics.mfu import Peak, device_peak, mfu
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.metrics.sinks import MetricsWriter
@@ -146,6 +147,7 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
 
         state.step = step + 1
         state.samples_seen += plan.global_batch
+        maybe_inject(state.step, "step", runtime.rank, run_dir)  # test hook; a no-op unless TRAINMESH_FAULT
         window_targets += targets.result()
         window_steps += 1
 

@@ -1,0 +1,80 @@
+"""Fault injection for tests — the one documented hook.
+
+    TRAINMESH_FAULT="rank=1,step=37,kind=sigkill"                    one fault
+    TRAINMESH_FAULT="rank=1,step=5,kind=exception;rank=0,step=9,kind=exit"   several, separated by ';'
+    TRAINMESH_FAULT="rank=0,step=4,kind=sigkill,phase=checkpoint"   during the save of step 4's checkpoint
+
+kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | hang (a busy loop that
+      holds the GIL)
+phase: step (default: right after optimizer step `step` completes) | checkpoint (after this rank's
+       checkpoint shards are written, before the checkpoint is committed)
+
+Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
+attempt that torchrun restarts after it does not inject it again. Unset, this module does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_VAR = "TRAINMESH_FAULT"
+KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang")
+PHASES = ("step", "checkpoint")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by kind=exception."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    index: int
+    rank: int
+    step: int
+    kind: str
+    phase: str = "step"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    faults = []
+    for index, part in enumerate(p for p in spec.split(";") if p.strip()):
+        fields = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
+        try:
+            fault = Fault(index, int(fields["rank"]), int(fields["step"]), fields["kind"], fields.get("phase", "step"))
+        except (KeyError, ValueError):
+            raise ValueError(f"{ENV_VAR}={spec!r}: each fault needs rank=<int>,step=<int>,kind=<kind>") from None
+        if fault.kind not in KINDS or fault.phase not in PHASES:
+            raise ValueError(f"{ENV_VAR}={spec!r}: kind is one of {KINDS}, phase one of {PHASES}")
+        faults.append(fault)
+    return faults
+
+
+def maybe_inject(step: int, phase: str, rank: int, run_dir: Path) -> None:
+    """Fire the fault planned for (rank, step, phase), once per run directory."""
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return
+    for fault in parse_faults(spec):
+        if (fault.rank, fault.step, fault.phase) != (rank, step, phase):
+            continue
+        marker = run_dir / ".faults" / str(fault.index)
+        if marker.exists():
+            continue  # fired in an earlier attempt
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        _fire(fault)
+
+
+def _fire(fault: Fault) -> None:
+    if fault.kind == "exception":
+        raise InjectedFault(f"injected fault: {fault}")
+    if fault.kind == "exit":
+        os._exit(1)
+    if fault.kind == "hang":
+        while True:  # a pure-Python loop: holds the GIL except at interpreter switch points
+            pass
+    sig = {"sigkill": signal.SIGKILL, "segfault": signal.SIGSEGV, "sigstop": signal.SIGSTOP}[fault.kind]
+    os.kill(os.getpid(), sig)

@@ -1,0 +1,106 @@
+"""Faults during a real `trainmesh run` (2 processes, torchrun's agent, restarts allowed): the run
+finishes, resumes from the newest committed checkpoint, and ends bit for bit where the uninterrupted
+run ends — weights, optimizer state, and every per-step loss after the resume point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import nano_toml
+from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+OVERRIDES = ["--train.max_steps=8", "--checkpoint.every=2", "--checkpoint.final=true", "--model.dropout=0.1"]
+
+
+def _train(root: Path, name: str, fault: str = "", restarts: int = 1) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
+    cmd = [
+        str(BIN / "trainmesh"),
+        "run",
+        "gpt",
+        "--config",
+        str(nano_toml(root)),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--run-id",
+        name,
+        "--",
+        *OVERRIDES,
+    ]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """The last logged loss of every step (a restarted attempt re-logs the steps it repeats)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor], dict[int, float]]:
+    root = tmp_path_factory.mktemp("faults")
+    result = _train(root, "reference", restarts=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = root / "runs" / "reference"
+    final = latest_checkpoint(run_dir)
+    assert final is not None and final.name == "step_00000008"
+    return root, read_full_state(final), _losses(run_dir)
+
+
+def _assert_same_as_reference(root: Path, name: str, reference: tuple[Path, dict, dict]) -> None:
+    _, ref_state, ref_losses = reference
+    run_dir = root / "runs" / name
+    final = latest_checkpoint(run_dir)
+    assert final is not None and final.name == "step_00000008"
+    state = read_full_state(final)
+    for section in ("model", "optim"):
+        for key, value in ref_state[section].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(state[section][key], value), f"{section}.{key}"
+    assert _losses(run_dir) == ref_losses
+
+
+@pytest.mark.parametrize("kind", ["sigkill", "exception", "exit", "segfault"])
+def test_a_dying_rank_is_restarted_and_the_run_ends_exactly_as_uninterrupted(kind: str, reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, kind, fault=f"rank=1,step=5,kind={kind}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr and "step_00000004" in result.stderr
+    _assert_same_as_reference(root, kind, reference)
+
+
+def test_two_failures_at_different_steps(reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, "twice", fault="rank=1,step=3,kind=sigkill;rank=0,step=7,kind=exception", restarts=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_as_reference(root, "twice", reference)
+
+
+def test_killed_while_saving_resumes_from_the_previous_checkpoint(reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, "mid-save", fault="rank=0,step=4,kind=sigkill,phase=checkpoint")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_00000002" in result.stderr  # step 4 was never committed, so the restart began at 2
+    _assert_same_as_reference(root, "mid-save", reference)
+
+
+def test_restarts_exhausted_fail_loudly_and_leave_only_committed_checkpoints(reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, "exhausted", fault="rank=1,step=5,kind=sigkill", restarts=0)
+    assert result.returncode == 1
+    assert "rank 1 failed first: killed by signal SIGKILL" in result.stderr
+    checkpoints = list_checkpoints(root / "runs" / "exhausted")
+    assert [p.name for p in checkpoints] == ["step_00000002", "step_00000004"]
+    assert all((p / "trainer_state.json").is_file() for p in checkpoints)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from support import nano_toml
+from trainmesh.checkpoint import list_checkpoints
 from trainmesh.runtime.env import free_port
 
 pytestmark = pytest.mark.slow
@@ -183,6 +184,6 @@ def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> No
     assert "sample from the trained model" in result.stderr
     from torch.distributed.checkpoint import FileSystemReader
 
-    (checkpoint,) = (tmp_path / "runs" / "c" / "checkpoints").iterdir()
+    (checkpoint,) = list_checkpoints(tmp_path / "runs" / "c")
     keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     assert "model.wte.weight" in keys and not any("_orig_mod" in k for k in keys)

@@ -1,13 +1,14 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): each rank writes its own shard in parallel.
+"""Saving and loading one checkpoint with torch.distributed.checkpoint (DCP), every rank in parallel.
 
 Layout of one checkpoint, `<run>/checkpoints/step_00000300/`:
     *.distcp, .metadata     model and optimizer (DCP; reshardable to another world size/strategy)
     trainer_state.json      step, samples seen, precision (GradScaler) state, config, versions
     rng/rank_<r>.pt         each rank's RNG states (torch, CUDA, NumPy, Python) — tensors only
+    manifest.json           size and SHA-256 of every file above (see manifest.py)
 
-A checkpoint is written under a temporary name and renamed once every rank has finished, so a
-directory named `step_*` is always complete. Everything non-tensor is JSON, and the RNG files load
-with `weights_only=True`.
+A checkpoint is written under a temporary name, hashed and fsynced, and renamed into place only then,
+so a directory named `step_*` is complete; resuming verifies it against its manifest before anything
+in it is parsed (catalog.py). Everything non-tensor is JSON, and RNG files load with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from trainmesh.checkpoint.catalog import rotate, staging_dir, step_dir, write_latest
+from trainmesh.checkpoint.manifest import fsync_dir, write_json_durably, write_manifest
 from trainmesh.faults import maybe_inject
 from trainmesh.runtime.logging import get_logger
 
@@ -37,8 +40,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -56,38 +57,21 @@ class TrainerState:
     versions: dict[str, str] = field(default_factory=dict)
 
 
-def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / CHECKPOINT_DIR
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoint_root(run_dir) / f"{STEP_PREFIX}{step:08d}"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first (temporary directories are never listed)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
 def save_checkpoint(
-    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, runtime: Runtime
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    runtime: Runtime,
+    keep_last: int = 0,
 ) -> Path:
     """Collective: every rank calls it. Returns the committed directory."""
     final = step_dir(run_dir, state.step)
-    staging = final.with_name(f".{final.name}.tmp")
+    staging = staging_dir(final)
+    if runtime.broadcast_object(final.exists() if runtime.is_main_process else False):
+        raise FileExistsError(f"checkpoint {final} already exists; a committed checkpoint is never overwritten")
     if runtime.is_main_process:
-        if final.exists():
-            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
-        shutil.rmtree(staging, ignore_errors=True)  # leftover of a crashed save
+        shutil.rmtree(staging, ignore_errors=True)  # leftover of a crashed save of this step
         (staging / "rng").mkdir(parents=True)
     runtime.barrier()
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)
@@ -95,10 +79,16 @@ def save_checkpoint(
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     torch.save(_rng_state(), staging / "rng" / f"rank_{runtime.rank}.pt")
     maybe_inject(state.step, "checkpoint", runtime.rank, run_dir)  # test hook: die before the commit
-    runtime.barrier()  # every shard is on disk
     if runtime.is_main_process:
-        (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
-        staging.rename(final)
+        write_json_durably(staging / TRAINER_STATE, asdict(state))
+    runtime.barrier()  # every file is written
+    write_manifest(staging, runtime)  # hashes and fsyncs everything, in parallel over the ranks
+    if runtime.is_main_process:
+        staging.rename(final)  # the commit
+        fsync_dir(final.parent)
+        write_latest(run_dir, final)
+        for old in rotate(run_dir, keep_last):
+            log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, keep_last)
         log.info("saved checkpoint %s", final)
     runtime.barrier()
     return final

@@ -185,10 +185,16 @@ class CheckpointConfig:
     final: bool = True
     """Save a checkpoint when training ends."""
     resume: bool = False
-    """Continue from the newest checkpoint in the run directory (also implied on an elastic restart)."""
+    """Continue from the newest valid checkpoint in the run directory (implied on a torchrun restart)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (0: keep all); the newest is never deleted."""
+    on_corrupt: str = "fallback"
+    """A checkpoint that fails verification on resume: fallback (move it aside, use an older one) | abort."""
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every", self.every, 0)
+        _at_least("checkpoint.keep_last", self.keep_last, 0)
+        _one_of("checkpoint.on_corrupt", self.on_corrupt, ("fallback", "abort"))
 
 
 @dataclass

@@ -224,6 +224,14 @@ class Runtime:
         if self._has_group:
             dist.barrier()
 
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order (picklable objects)."""
+        if not self._has_group or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         if not self._has_group or self.world_size == 1:
             return obj

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from trainmesh.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, save_checkpoint
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
@@ -75,7 +75,8 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
     seed_everything(config.run.seed + 1 + runtime.rank)
 
     state = TrainerState(world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
-    resume_from = latest_checkpoint(run_dir) if config.checkpoint.resume else None
+    ckpt = config.checkpoint
+    resume_from = find_resumable(run_dir, runtime, ckpt.on_corrupt) if ckpt.resume else None
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, runtime)
         state.world_size = runtime.world_size
@@ -112,6 +113,10 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         if writer:
             writer.write(state.step, {"val_loss": val_loss}, kind="val")
         return val_loss
+
+    def save() -> Path:
+        state.precision = runtime.precision.state_dict()
+        return save_checkpoint(run_dir, model, optimizer, state, runtime, ckpt.keep_last)
 
     initial_val_loss = val_loss = evaluate() if state.step == 0 else math.nan
     if runtime.is_main_process and state.step == 0:
@@ -176,27 +181,20 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
             val_loss = evaluate()
             progress.message(f"step {state.step}: val loss {val_loss:.4f}")
-        if config.checkpoint.every and state.step % config.checkpoint.every == 0 and state.step < tcfg.max_steps:
-            checkpoint = _save(run_dir, model, optimizer, state, runtime)
+        if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
+            checkpoint = save()
         window_start += time.perf_counter() - pause_start
 
     progress.close()
     val_loss = evaluate()
-    if config.checkpoint.final and state.step > start_step:  # the same decision on every rank
-        checkpoint = _save(run_dir, model, optimizer, state, runtime)
+    if ckpt.final and state.step > start_step:  # the same decision on every rank
+        checkpoint = save()
     # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
     sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
     if writer:
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
     return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model)
-
-
-def _save(
-    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, runtime: Runtime
-) -> Path:
-    state.precision = runtime.precision.state_dict()
-    return save_checkpoint(run_dir, model, optimizer, state, runtime)
 
 
 @torch.no_grad()

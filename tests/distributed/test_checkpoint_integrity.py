@@ -1,0 +1,131 @@
+"""A checkpoint is valid or it is ignored, never half-loaded: damage of every kind is detected from the
+manifest before anything is parsed, reported, moved aside, and the run falls back to the previous
+checkpoint and still finishes bit for bit like the undamaged run."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import train_rank
+from trainmesh.checkpoint import list_checkpoints, verify
+from trainmesh.checkpoint.catalog import LATEST, checkpoint_root
+from trainmesh.testing import DistributedTestError, run_distributed
+
+pytestmark = pytest.mark.slow
+
+RUN = [
+    "--train.micro_batch=8",
+    "--train.global_batch=8",
+    "--train.max_steps=6",
+    "--checkpoint.every=3",
+    "--checkpoint.final=true",
+]
+
+
+def _flip_byte(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "flipped byte in a shard": (_flip_byte, "sha256"),
+    "truncated shard": (_truncate, "truncated or extended"),
+    "garbled DCP metadata (a pickle)": (lambda c: (c / ".metadata").write_bytes(b"\x80garbage"), ".metadata"),
+    "garbled trainer state": (lambda c: (c / "trainer_state.json").write_text("{"), "trainer_state.json"),
+    "garbled manifest": (lambda c: (c / "manifest.json").write_text("[1, 2"), "manifest.json: garbled"),
+    "missing RNG file": (lambda c: (c / "rng" / "rank_0.pt").unlink(), "missing"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("integrity")
+    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=ref"]))
+    assert [p.name for p in list_checkpoints(root / "runs" / "ref")] == ["step_00000003", "step_00000006"]
+    return root, result["params"]
+
+
+def _damaged_copy(root: Path, name: str, damage: Callable[[Path], None]) -> Path:
+    run_dir = root / "runs" / name
+    shutil.copytree(root / "runs" / "ref", run_dir)
+    damage(run_dir / "checkpoints" / "step_00000006")
+    return run_dir
+
+
+@pytest.mark.parametrize("what", list(DAMAGE))
+def test_damage_is_detected_and_the_run_falls_back(
+    what: str, reference: tuple[Path, dict], capfd: pytest.CaptureFixture[str]
+) -> None:
+    root, ref_params = reference
+    damage, evidence = DAMAGE[what]
+    name = "d" + str(list(DAMAGE).index(what))
+    run_dir = _damaged_copy(root, name, damage)
+    (result,) = run_distributed(
+        train_rank, 1, args=(str(root), [*RUN, f"--run.name={name}", "--checkpoint.resume=true"])
+    )
+    log = capfd.readouterr().err
+    assert "failed verification" in log and evidence in log
+    assert "resumed from" in log and "step_00000003" in log
+    assert (run_dir / "checkpoints" / "step_00000006.corrupt").is_dir()  # kept as evidence, never loaded
+    assert verify(run_dir / "checkpoints" / "step_00000006").ok  # re-saved after training steps 4-6 again
+    for key, value in ref_params.items():
+        assert torch.equal(result["params"][key], value), key
+
+
+def test_abort_policy_stops_with_the_path(reference: tuple[Path, dict]) -> None:
+    root, _ = reference
+    _damaged_copy(root, "abort", _flip_byte)
+    overrides = [*RUN, "--run.name=abort", "--checkpoint.resume=true", "--checkpoint.on_corrupt=abort"]
+    expected = r"(?s)step_00000006 failed verification.*sha256.*on_corrupt=fallback"
+    with pytest.raises(DistributedTestError, match=expected):
+        run_distributed(train_rank, 1, args=(str(root), overrides))
+
+
+def test_pointer_and_leftovers(reference: tuple[Path, dict], capfd: pytest.CaptureFixture[str]) -> None:
+    root, ref_params = reference
+    run_dir = _damaged_copy(root, "pointer", lambda c: None)
+    (checkpoint_root(run_dir) / LATEST).write_text("step_99999999\n")  # dangling
+    leftover = checkpoint_root(run_dir) / ".step_00000009.tmp"  # a save that never committed
+    leftover.mkdir()
+    (result,) = run_distributed(
+        train_rank, 1, args=(str(root), [*RUN, "--run.name=pointer", "--checkpoint.resume=true"])
+    )
+    log = capfd.readouterr().err
+    assert "garbled or dangling" in log and "resumed from" in log and "step_00000006" in log
+    assert not leftover.exists()
+    for key, value in ref_params.items():
+        assert torch.equal(result["params"][key], value), key
+
+
+def test_rotation_keeps_the_newest_and_touches_nothing_else(tmp_path: Path) -> None:
+    root = checkpoint_root(tmp_path / "runs" / "rot")
+    (root / "notes").mkdir(parents=True)  # not ours
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (root / "step_00000000").symlink_to(outside, target_is_directory=True)  # looks like ours, is a link
+    overrides = [*RUN, "--checkpoint.every=1", "--checkpoint.keep_last=2", "--run.name=rot"]
+    run_distributed(train_rank, 1, args=(str(tmp_path), overrides))
+    assert [p.name for p in list_checkpoints(tmp_path / "runs" / "rot")] == ["step_00000005", "step_00000006"]
+    assert (root / "notes").is_dir() and outside.is_dir() and (root / "step_00000000").is_symlink()
+
+
+def test_a_committed_step_is_never_overwritten(tmp_path: Path) -> None:
+    first = [*RUN, "--train.max_steps=3", "--run.name=twice", "--train.micro_batch=4"]
+    run_distributed(train_rank, 2, args=(str(tmp_path), first))
+    committed = tmp_path / "runs" / "twice" / "checkpoints" / "step_00000003"
+    before = (committed / "manifest.json").read_text()
+    with pytest.raises(DistributedTestError, match="never overwritten"):
+        run_distributed(train_rank, 2, args=(str(tmp_path), first))  # a fresh run into the same directory
+    assert (committed / "manifest.json").read_text() == before and verify(committed).ok

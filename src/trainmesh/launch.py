@@ -9,15 +9,18 @@ been validated for the planned world size before any process starts.
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 from dataclasses import dataclass
 
 import torch
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from trainmesh.runtime.env import free_port
 from trainmesh.runtime.logging import get_logger
+from trainmesh.train.preemption import EXIT_PREEMPTED
 
 log = get_logger(__name__)
 
@@ -146,6 +149,12 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
     log.info("torchrun %s", " ".join(argv))
     try:
         torchrun.run(torchrun.parse_args(argv))
+    except SignalException as e:  # the agent forwarded it to the workers and waited for them
+        if e.sigval == signal.SIGTERM:
+            log.warning("SIGTERM: the workers stopped at a step boundary with a checkpoint; relaunch with --resume")
+            return EXIT_PREEMPTED
+        log.error("stopped by %s", signal.Signals(e.sigval).name)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         first_rank, first = e.get_first_failure()  # by time: the root cause; the others often follow from it
         log.error("rank %d failed first: %s", first_rank, _describe(first.exitcode, first.signal_name()))

@@ -25,6 +25,7 @@ from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import DDPOptions
 from trainmesh.train.loop import TrainResult, train
+from trainmesh.train.preemption import EXIT_PREEMPTED, PreemptionWatch
 
 log = get_logger(__name__)
 
@@ -59,7 +60,8 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
             log.info("run directory: %s", run_dir)
             log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
         runtime.barrier()
-        result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir)
+        with PreemptionWatch() as preemption:
+            result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption)
         if runtime.is_main_process:
             _report(result, run_dir)
     except BaseException as e:
@@ -73,6 +75,15 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
 
 
 def _report(result: TrainResult, run_dir: Path) -> None:
+    if result.preempted:
+        log.warning(
+            "preempted at step %d; checkpoint %s. Continue with: --resume --run-id %s (exit code %d)",
+            result.steps,
+            result.checkpoint,
+            run_dir.name,
+            EXIT_PREEMPTED,
+        )
+        return
     start = "" if math.isnan(result.initial_val_loss) else f" (at start {result.initial_val_loss:.4f})"
     log.info(
         "done: %d steps | train loss %.4f | val loss %.4f%s", result.steps, result.train_loss, result.val_loss, start
@@ -104,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             overrides.append("--checkpoint.resume=true")
         config = load_config(args.config, overrides, args.recipe)
-        run_worker(config, Path(args.run_dir) if args.run_dir else None)
+        result = run_worker(config, Path(args.run_dir) if args.run_dir else None)
     except ConfigError as e:
         logging.getLogger("trainmesh").error("config error: %s", e)
         return 2
-    return 0
+    return EXIT_PREEMPTED if result.preempted else 0
 
 
 if __name__ == "__main__":

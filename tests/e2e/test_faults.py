@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,47 @@ def test_restarts_exhausted_fail_loudly_and_leave_only_committed_checkpoints(ref
     checkpoints = list_checkpoints(root / "runs" / "exhausted")
     assert [p.name for p in checkpoints] == ["step_00000002", "step_00000004"]
     assert all((p / "trainer_state.json").is_file() for p in checkpoints)
+
+
+def test_sigterm_stops_at_a_step_boundary_and_relaunch_continues_exactly(tmp_path: Path) -> None:
+    """Preemption: SIGTERM to `trainmesh run` -> every rank stops at the same step, saves, exits 75;
+    `--resume` then ends bit for bit where an uninterrupted run ends."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    steps = ["--train.max_steps=150", "--checkpoint.final=true", "--model.dropout=0.1"]
+    cmd = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "2"]
+    reference = subprocess.run(
+        [*cmd, "--run-id", "ref", "--", *steps],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    job = subprocess.Popen(
+        [*cmd, "--run-id", "pre", "--", *steps], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 10):
+        time.sleep(0.2)  # until training is well under way
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 75, stderr[-3000:]
+    stopped = latest_checkpoint(tmp_path / "runs" / "pre")
+    assert stopped is not None and 0 < int(stopped.name[5:]) < 150, stderr[-2000:]
+    assert "preemption requested: stopping at step" in stderr
+    resumed = subprocess.run(
+        [*cmd, "--run-id", "pre", "--resume", "--", *steps],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, ref = (read_full_state(latest_checkpoint(tmp_path / "runs" / n)) for n in ("pre", "ref"))  # type: ignore[arg-type]
+    for key, value in ref["model"].items():
+        assert torch.equal(final["model"][key], value), key

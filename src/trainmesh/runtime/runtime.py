@@ -47,18 +47,18 @@ _OPS = {
 
 
 class PendingReduce:
-    """An all-reduce in flight; `result()` waits once and returns the reduced number."""
+    """An all-reduce in flight; `result()` waits once and returns the reduced numbers."""
 
     def __init__(self, tensor: torch.Tensor, work: Any, divisor: int) -> None:
         self._tensor, self._work, self._divisor = tensor, work, divisor
-        self._value: float | None = None
+        self._values: list[float] | None = None
 
-    def result(self) -> float:
-        if self._value is None:
+    def result(self) -> list[float]:
+        if self._values is None:
             if self._work is not None:
                 self._work.wait()
-            self._value = float(self._tensor) / self._divisor
-        return self._value
+            self._values = [float(v) / self._divisor for v in self._tensor.tolist()]
+        return self._values
 
 
 class Runtime:
@@ -211,9 +211,9 @@ class Runtime:
                 tensor /= self.world_size
         return tensor
 
-    def all_reduce_async(self, value: float, op: ReduceOp = "sum") -> PendingReduce:
-        """Start reducing a number over all ranks; `.result()` waits for it (overlap it with compute)."""
-        tensor = torch.tensor(value, dtype=torch.float64 if self.device.type == "cpu" else torch.float32)
+    def all_reduce_async(self, values: list[float], op: ReduceOp = "sum") -> PendingReduce:
+        """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute)."""
+        tensor = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32)
         tensor = tensor.to(self.device)
         work = None
         if self._has_group and self.world_size > 1:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, save_checkpoint
+from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, save_checkpoint, step_dir
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
@@ -38,6 +38,7 @@ from trainmesh.runtime.logging import get_logger
 from trainmesh.runtime.runtime import PendingReduce, Runtime
 from trainmesh.train.batch import BatchPlan, loss_scale
 from trainmesh.train.optim import build_optimizer, lr_at, set_lr
+from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.versions import versions
 
 log = get_logger(__name__)
@@ -52,9 +53,14 @@ class TrainResult:
     checkpoint: Path | None
     sample: str
     model: nn.Module
+    preempted: bool = False
 
 
-def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> TrainResult:
+def train(
+    config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path, preemption: PreemptionWatch | None = None
+) -> TrainResult:
+    """Train to `train.max_steps`, or until `preemption` reports SIGTERM (then: checkpoint and stop)."""
+    preemption = preemption or PreemptionWatch()  # not installed: never requested
     tcfg = config.train
     if runtime.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -136,10 +142,11 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
 
         micro_batches = [next(data) for _ in range(plan.accum_steps)]
         local_targets = sum(recipe.count_targets(mb) for mb in micro_batches)  # counted on the CPU
-        targets = runtime.all_reduce_async(local_targets, "sum")  # in flight during the first forward
+        # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
+        reduced = runtime.all_reduce_async([local_targets, float(preemption.requested)], "sum")
 
-        def scale(targets: PendingReduce = targets) -> float:  # bound to this step's count
-            return loss_scale(targets.result(), runtime.dp_size)
+        def scale(reduced: PendingReduce = reduced) -> float:  # bound to this step's count
+            return loss_scale(reduced.result()[0], runtime.dp_size)
 
         for i, batch in enumerate(micro_batches):
             last = i == plan.accum_steps - 1
@@ -153,10 +160,11 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         state.step = step + 1
         state.samples_seen += plan.global_batch
         maybe_inject(state.step, "step", runtime.rank, run_dir)  # test hook; a no-op unless TRAINMESH_FAULT
-        window_targets += targets.result()
+        global_targets, stop_votes = reduced.result()
+        window_targets += global_targets
         window_steps += 1
 
-        if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps:
+        if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or stop_votes:
             # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
             train_loss = float(runtime.all_reduce(window_loss, "sum")) / window_targets
             now = time.perf_counter()  # logging below is timed into the next window, like any step cost
@@ -184,17 +192,25 @@ def train(config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path) -> Tr
         if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
             checkpoint = save()
         window_start += time.perf_counter() - pause_start
+        if stop_votes:  # SIGTERM reached some rank; every rank learns it at this same step
+            progress.message(f"preemption requested: stopping at step {state.step} with a checkpoint")
+            if checkpoint != step_dir(run_dir, state.step):
+                checkpoint = save()
+            break
 
     progress.close()
-    val_loss = evaluate()
-    if ckpt.final and state.step > start_step:  # the same decision on every rank
-        checkpoint = save()
-    # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
-    sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
+    preempted = state.step < tcfg.max_steps
+    sample = ""
+    if not preempted:
+        val_loss = evaluate()
+        if ckpt.final and state.step > start_step:  # the same decision on every rank
+            checkpoint = save()
+        # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
+        sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
     if writer:
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
-    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model)
+    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model, preempted)
 
 
 @torch.no_grad()

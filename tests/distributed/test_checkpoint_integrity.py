@@ -129,3 +129,33 @@ def test_a_committed_step_is_never_overwritten(tmp_path: Path) -> None:
     with pytest.raises(DistributedTestError, match="never overwritten"):
         run_distributed(train_rank, 2, args=(str(tmp_path), first))  # a fresh run into the same directory
     assert (committed / "manifest.json").read_text() == before and verify(committed).ok
+
+
+class _Payload:
+    """A pickle that would create a file when unpickled without weights_only."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (shutil.copyfile, (__file__, self.marker))
+
+
+def test_a_malicious_pickle_is_refused_even_with_a_matching_manifest(reference: tuple[Path, dict]) -> None:
+    """An attacker who can rewrite both a file and the manifest still cannot run code: every torch.load
+    passes weights_only=True, with no fallback."""
+    import json
+
+    from trainmesh.checkpoint.manifest import file_digest
+
+    root, _ = reference
+    marker = root / "payload-ran"
+    run_dir = _damaged_copy(root, "evil", lambda c: None)
+    ckpt = run_dir / "checkpoints" / "step_00000006"
+    torch.save({"torch": _Payload(str(marker))}, ckpt / "rng" / "rank_0.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["rng/rank_0.pt"] = file_digest(ckpt / "rng" / "rank_0.pt")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DistributedTestError, match="Weights only load failed"):
+        run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=evil", "--checkpoint.resume=true"]))
+    assert not marker.exists()

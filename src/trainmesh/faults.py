@@ -5,7 +5,7 @@
     TRAINMESH_FAULT="rank=0,step=4,kind=sigkill,phase=checkpoint"   during the save of step 4's checkpoint
 
 kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | hang (a busy loop that
-      holds the GIL)
+      holds the GIL) | nan (this rank's loss becomes NaN in optimizer step `step`, counted from 1)
 phase: step (default: right after optimizer step `step` completes) | checkpoint (after this rank's
        checkpoint shards are written, before the checkpoint is committed)
 
@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 ENV_VAR = "TRAINMESH_FAULT"
-KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang")
+F = TypeVar("F", bound=Callable[..., Any])
+KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang", "nan")
 PHASES = ("step", "checkpoint")
 
 
@@ -54,18 +57,37 @@ def parse_faults(spec: str) -> list[Fault]:
 
 def maybe_inject(step: int, phase: str, rank: int, run_dir: Path) -> None:
     """Fire the fault planned for (rank, step, phase), once per run directory."""
+    for fault in _due(step, phase, rank, run_dir, nan=False):
+        _fire(fault)
+
+
+def poison_loss(loss_fn: F, step: int, rank: int, run_dir: Path) -> F:
+    """`loss_fn`, or one whose loss is NaN when a kind=nan fault is due at optimizer step `step`
+    (counted from 1) on this rank."""
+    if not _due(step, "step", rank, run_dir, nan=True):
+        return loss_fn
+
+    def poisoned(*args: Any) -> Any:
+        return loss_fn(*args) * float("nan")
+
+    return cast(F, poisoned)
+
+
+def _due(step: int, phase: str, rank: int, run_dir: Path, nan: bool) -> list[Fault]:
     spec = os.environ.get(ENV_VAR)
     if not spec:
-        return
+        return []
+    due = []
     for fault in parse_faults(spec):
-        if (fault.rank, fault.step, fault.phase) != (rank, step, phase):
+        if (fault.rank, fault.step, fault.phase) != (rank, step, phase) or (fault.kind == "nan") != nan:
             continue
         marker = run_dir / ".faults" / str(fault.index)
         if marker.exists():
             continue  # fired in an earlier attempt
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-        _fire(fault)
+        due.append(fault)
+    return due
 
 
 def _fire(fault: Fault) -> None:

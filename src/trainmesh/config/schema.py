@@ -107,6 +107,10 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     compile: bool = False
     """Compile the model with torch.compile."""
+    nonfinite: str = "abort"
+    """A NaN/inf gradient: abort (before the optimizer step, naming step and ranks) | skip (all ranks skip the step)."""
+    max_skipped_steps: int = 5
+    """Abort after more than this many consecutive skipped steps (non-finite gradients, or fp16 overflows)."""
     eval_every: int = 100
     """Optimizer steps between validation passes; 0: only at the end."""
     eval_samples: int = 256
@@ -119,6 +123,8 @@ class TrainConfig:
         _at_least("train.global_batch_tokens", self.global_batch_tokens, 0)
         _one_of("train.precision", self.precision, PRECISIONS)
         _at_least("train.grad_clip", self.grad_clip, 0)
+        _one_of("train.nonfinite", self.nonfinite, ("abort", "skip"))
+        _at_least("train.max_skipped_steps", self.max_skipped_steps, 1)
         _at_least("train.eval_every", self.eval_every, 0)
         _at_least("train.eval_samples", self.eval_samples, 1)
 

@@ -40,6 +40,7 @@ class ScaledMixedPrecision(MixedPrecision):
     """`16-mixed`: autocast to float16 with dynamic loss scaling."""
 
     name = "16-mixed"
+    scales_loss = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, torch.float16)

@@ -18,6 +18,8 @@ class Precision(ABC):
     """Autocast, loss scaling and the optimizer step for one precision setting."""
 
     name: str
+    scales_loss = False
+    """True when the precision itself skips steps whose gradients overflow (a GradScaler)."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast the model's parameters if this precision stores them in a low-precision dtype."""

@@ -28,7 +28,7 @@ from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, 
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
-from trainmesh.faults import maybe_inject
+from trainmesh.faults import maybe_inject, poison_loss
 from trainmesh.metrics.mfu import Peak, device_peak, mfu
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.metrics.sinks import MetricsWriter
@@ -132,7 +132,7 @@ def train(
     data = iter(loader)
     window_loss = torch.zeros((), dtype=torch.float64, device=runtime.device)
     window_targets = 0.0
-    window_start, window_steps, skipped = time.perf_counter(), 0, 0
+    window_start, window_steps, skipped, skipped_in_a_row = time.perf_counter(), 0, 0, 0
     train_loss = math.nan
     checkpoint: Path | None = None
 
@@ -145,28 +145,44 @@ def train(
         # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
         reduced = runtime.all_reduce_async([local_targets, float(preemption.requested)], "sum")
 
+        loss_fn = poison_loss(recipe.loss_sum, step + 1, runtime.rank, run_dir)  # test hook, see faults.py
+
         def scale(reduced: PendingReduce = reduced) -> float:  # bound to this step's count
             return loss_scale(reduced.result()[0], runtime.dp_size)
 
+        step_loss = torch.zeros((), dtype=torch.float64, device=runtime.device)  # this rank's summed loss
         for i, batch in enumerate(micro_batches):
             last = i == plan.accum_steps - 1
             with runtime.no_sync(model, enabled=not last):
-                window_loss += runtime.forward_backward(model, runtime.to_device(batch), recipe.loss_sum, scale)
+                step_loss += runtime.forward_backward(model, runtime.to_device(batch), loss_fn, scale)
 
         grad_norm = runtime.clip_grad_norm(model, optimizer, tcfg.grad_clip)
-        skipped += not runtime.step(optimizer)
+        # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
+        if math.isfinite(float(grad_norm)) or runtime.precision.scales_loss:
+            stepped = runtime.step(optimizer)  # a GradScaler skips an overflowing step and lowers its scale
+        else:
+            stepped = _nonfinite(step + 1, step_loss, tcfg, runtime)  # abort raises; skip returns False
+        skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+        skipped += not stepped
+        if skipped_in_a_row > tcfg.max_skipped_steps:
+            raise NonFiniteError(
+                f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}"
+            )
         optimizer.zero_grad(set_to_none=True)
 
         state.step = step + 1
         state.samples_seen += plan.global_batch
         maybe_inject(state.step, "step", runtime.rank, run_dir)  # test hook; a no-op unless TRAINMESH_FAULT
         global_targets, stop_votes = reduced.result()
-        window_targets += global_targets
+        if stepped:  # the logged loss is that of the steps taken
+            window_loss += step_loss
+            window_targets += global_targets
         window_steps += 1
 
         if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or stop_votes:
             # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
-            train_loss = float(runtime.all_reduce(window_loss, "sum")) / window_targets
+            window_sum = float(runtime.all_reduce(window_loss, "sum"))
+            train_loss = window_sum / window_targets if window_targets else math.nan
             now = time.perf_counter()  # logging below is timed into the next window, like any step cost
             elapsed = now - window_start
             tokens_per_s = plan.tokens_per_step * window_steps / elapsed if plan.tokens_per_sample else None
@@ -211,6 +227,24 @@ def train(
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
     return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model, preempted)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf gradient with train.nonfinite=abort, or too many skipped steps in a row."""
+
+
+def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: Any, runtime: Runtime) -> bool:
+    """Every rank arrives here together (see the caller). Raises for nonfinite=abort; False otherwise."""
+    sick = [r for r, bad in enumerate(runtime.all_gather_object(not math.isfinite(float(step_loss)))) if bad]
+    where = f"the loss was non-finite on rank(s) {sick}" if sick else "the losses were finite: the gradients overflowed"
+    if tcfg.nonfinite == "abort":
+        raise NonFiniteError(
+            f"non-finite gradient norm at step {step} ({where}); the optimizer step was not taken. "
+            "Fix: lower optim.lr, check the data, or --train.nonfinite=skip to skip such steps."
+        )
+    if runtime.is_main_process:
+        log.warning("step %d skipped on every rank: non-finite gradient norm (%s)", step, where)
+    return False
 
 
 @torch.no_grad()

@@ -24,9 +24,8 @@ BIN = Path(sys.executable).parent
 OVERRIDES = ["--train.max_steps=8", "--checkpoint.every=2", "--checkpoint.final=true", "--model.dropout=0.1"]
 
 
-def _train(root: Path, name: str, fault: str = "", restarts: int = 1) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
-    cmd = [
+def _command(root: Path, name: str, *flags: str, restarts: int = 1, overrides: list[str] = OVERRIDES) -> list[str]:
+    return [
         str(BIN / "trainmesh"),
         "run",
         "gpt",
@@ -38,10 +37,21 @@ def _train(root: Path, name: str, fault: str = "", restarts: int = 1) -> subproc
         str(restarts),
         "--run-id",
         name,
+        *flags,
         "--",
-        *OVERRIDES,
+        *overrides,
     ]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+
+
+def _env(fault: str = "") -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
+
+
+def _train(
+    root: Path, name: str, *flags: str, fault: str = "", restarts: int = 1, overrides: list[str] = OVERRIDES
+) -> subprocess.CompletedProcess[str]:
+    cmd = _command(root, name, *flags, restarts=restarts, overrides=overrides)
+    return subprocess.run(cmd, cwd=root, env=_env(fault), capture_output=True, text=True, timeout=240, check=False)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -111,21 +121,15 @@ def test_restarts_exhausted_fail_loudly_and_leave_only_committed_checkpoints(ref
 def test_sigterm_stops_at_a_step_boundary_and_relaunch_continues_exactly(tmp_path: Path) -> None:
     """Preemption: SIGTERM to `trainmesh run` -> every rank stops at the same step, saves, exits 75;
     `--resume` then ends bit for bit where an uninterrupted run ends."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     steps = ["--train.max_steps=150", "--checkpoint.final=true", "--model.dropout=0.1"]
-    cmd = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "2"]
-    reference = subprocess.run(
-        [*cmd, "--run-id", "ref", "--", *steps],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    reference = _train(tmp_path, "ref", restarts=0, overrides=steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
     job = subprocess.Popen(
-        [*cmd, "--run-id", "pre", "--", *steps], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        _command(tmp_path, "pre", restarts=0, overrides=steps),
+        cwd=tmp_path,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
     )
     metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -137,15 +141,7 @@ def test_sigterm_stops_at_a_step_boundary_and_relaunch_continues_exactly(tmp_pat
     stopped = latest_checkpoint(tmp_path / "runs" / "pre")
     assert stopped is not None and 0 < int(stopped.name[5:]) < 150, stderr[-2000:]
     assert "preemption requested: stopping at step" in stderr
-    resumed = subprocess.run(
-        [*cmd, "--run-id", "pre", "--resume", "--", *steps],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    resumed = _train(tmp_path, "pre", "--resume", restarts=0, overrides=steps)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final, ref = (read_full_state(latest_checkpoint(tmp_path / "runs" / n)) for n in ("pre", "ref"))  # type: ignore[arg-type]
     for key, value in ref["model"].items():

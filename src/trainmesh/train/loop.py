@@ -85,7 +85,8 @@ def train(
     resume_from = find_resumable(run_dir, runtime, ckpt.on_corrupt) if ckpt.resume else None
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, runtime)
-        state.world_size = runtime.world_size
+        # Position and scaler come from the checkpoint; what describes this run is today's.
+        state.world_size, state.config, state.versions = runtime.world_size, config_to_dict(config), versions()
     start_step = state.step
 
     sampler = GlobalBatchSampler(

@@ -1,9 +1,10 @@
-"""The `trainmesh` command: run, check, env.
+"""The `trainmesh` command: run, check, env, ckpt.
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4
 trainmesh env
+trainmesh ckpt verify runs/<name>                     # or: ckpt inspect runs/<name>/checkpoints/step_...
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_flags(check)
     check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    ckpt = sub.add_parser("ckpt", help="verify or describe checkpoints (offline, one process)")
+    ckpt.add_argument("action", choices=["verify", "inspect"], help="verify: check against the manifests")
+    ckpt.add_argument("path", help="a checkpoint directory, or a run directory (all its checkpoints)")
     return parser
 
 
@@ -134,6 +138,24 @@ def cmd_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from trainmesh.checkpoint.inspect import checkpoints_at, describe, verify_all
+
+    try:
+        if args.action == "inspect":
+            print("\n\n".join(describe(ckpt) for ckpt in checkpoints_at(Path(args.path))))
+            return 0
+        verdicts = verify_all(Path(args.path))
+    except (FileNotFoundError, ValueError) as e:
+        log.error("%s", e)
+        return 1
+    for verdict in verdicts:
+        print(f"OK      {verdict.path}" if verdict.ok else f"INVALID {verdict.path}")
+        for problem in verdict.problems:
+            print(f"        {problem}")
+    return 0 if all(v.ok for v in verdicts) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
     parser = build_parser()
@@ -146,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "check":
             return cmd_check(parser, args)
+        if args.command == "ckpt":
+            return cmd_ckpt(args)
         return cmd_run(parser, args)
     except (ConfigError, LaunchError) as e:
         log.error("%s", e)

@@ -26,7 +26,7 @@ from torch.utils.data.dataloader import default_collate
 
 from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, save_checkpoint, step_dir
 from trainmesh.config.loader import config_to_dict
-from trainmesh.config.schema import Config
+from trainmesh.config.schema import Config, TrainConfig
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
 from trainmesh.faults import maybe_inject, poison_loss
 from trainmesh.metrics.mfu import Peak, device_peak, mfu
@@ -234,7 +234,7 @@ class NonFiniteError(RuntimeError):
     """A NaN/inf gradient with train.nonfinite=abort, or too many skipped steps in a row."""
 
 
-def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: Any, runtime: Runtime) -> bool:
+def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: TrainConfig, runtime: Runtime) -> bool:
     """Every rank arrives here together (see the caller). Raises for nonfinite=abort; False otherwise."""
     sick = [r for r, bad in enumerate(runtime.all_gather_object(not math.isfinite(float(step_loss)))) if bad]
     where = f"the loss was non-finite on rank(s) {sick}" if sick else "the losses were finite: the gradients overflowed"

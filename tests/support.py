@@ -84,3 +84,19 @@ def nano_toml(root: Path) -> Path:
     path = root / "nano.toml"
     path.write_text(dump_toml(config_to_dict(nano_config(root))))
     return path
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc, Linux only)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found

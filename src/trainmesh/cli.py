@@ -5,6 +5,7 @@ trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4
 trainmesh env
 trainmesh ckpt verify runs/<name>                     # or: ckpt inspect runs/<name>/checkpoints/step_...
+trainmesh ckpt export runs/<name>                     # newest valid checkpoint -> runs/<name>/export/*.safetensors
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     g.add_argument("--rdzv-endpoint", default=d(None), help="HOST:PORT of the c10d rendezvous (elastic)")
     g.add_argument("--rdzv-id", default=d(None), help="job id shared by all nodes (c10d rendezvous)")
     g.add_argument("--max-restarts", type=int, default=d(0), help="restarts of the worker group on failure")
+    g.add_argument("--join-timeout", type=int, default=d(300), help="seconds the nodes may take to meet (default 300)")
 
 
 def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -67,9 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_flags(check)
     check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
-    ckpt = sub.add_parser("ckpt", help="verify or describe checkpoints (offline, one process)")
-    ckpt.add_argument("action", choices=["verify", "inspect"], help="verify: check against the manifests")
-    ckpt.add_argument("path", help="a checkpoint directory, or a run directory (all its checkpoints)")
+    ckpt = sub.add_parser("ckpt", help="verify, describe or export checkpoints (offline, one process)")
+    ckpt.add_argument(
+        "action",
+        choices=["verify", "inspect", "export"],
+        help="verify: check against the manifests; export: model weights to one safetensors file",
+    )
+    ckpt.add_argument(
+        "path",
+        help="a checkpoint directory, or a run directory (verify, inspect: all its checkpoints; "
+        "export: its newest one that verifies)",
+    )
+    ckpt.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="export: the .safetensors file to write (default: <run>/export/model_step_XXXXXXXX.safetensors)",
+    )
+    ckpt.add_argument("--force", action="store_true", help="export: overwrite an existing output file")
     return parser
 
 
@@ -101,6 +119,7 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
+        join_timeout_s=args.join_timeout,
     )
 
 
@@ -141,9 +160,19 @@ def cmd_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainmesh.checkpoint.inspect import checkpoints_at, describe, verify_all
 
+    if args.action != "export" and (args.output is not None or args.force):
+        log.error("-o/--output and --force apply to `trainmesh ckpt export` only")
+        return 2
     try:
         if args.action == "inspect":
             print("\n\n".join(describe(ckpt) for ckpt in checkpoints_at(Path(args.path))))
+            return 0
+        if args.action == "export":
+            from trainmesh.checkpoint.export import export_checkpoint
+
+            done = export_checkpoint(Path(args.path), args.output, force=args.force)
+            print(f"exported step {done.step} of {done.checkpoint}")
+            print(f"  -> {done.path}: {done.tensors} tensors, {done.bytes:,} bytes")
             return 0
         verdicts = verify_all(Path(args.path))
     except (FileNotFoundError, ValueError) as e:

@@ -4,9 +4,12 @@
     TRAINMESH_FAULT="rank=1,step=5,kind=exception;rank=0,step=9,kind=exit"   several, separated by ';'
     TRAINMESH_FAULT="rank=0,step=4,kind=sigkill,phase=checkpoint"   during the save of step 4's checkpoint
 
-kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | hang (a busy loop that
-      holds the GIL) | nan (this rank's loss becomes NaN in optimizer step `step`, counted from 1)
-phase: step (default: right after optimizer step `step` completes) | checkpoint (after this rank's
+kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | hang (a sleep that holds
+      the GIL, so no Python thread of the process runs) | sleep (a sleep that releases the GIL, like a
+      stuck read) | diskfull (OSError ENOSPC, what a write to a full disk raises; use phase=checkpoint)
+      | nan (this rank's loss becomes NaN in optimizer step `step`, counted from 1)
+phase: step (default: right after optimizer step `step` completes) | data (while fetching the batch of
+       optimizer step `step`, counted from 1: a stuck data loader) | checkpoint (after this rank's
        checkpoint shards are written, before the checkpoint is committed)
 
 Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
@@ -15,8 +18,11 @@ attempt that torchrun restarts after it does not inject it again. Unset, this mo
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +30,9 @@ from typing import Any, TypeVar, cast
 
 ENV_VAR = "TRAINMESH_FAULT"
 F = TypeVar("F", bound=Callable[..., Any])
-KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang", "nan")
-PHASES = ("step", "checkpoint")
+KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang", "sleep", "diskfull", "nan")
+PHASES = ("step", "data", "checkpoint")
+_FOREVER_S = 10**6
 
 
 class InjectedFault(RuntimeError):
@@ -93,10 +100,13 @@ def _due(step: int, phase: str, rank: int, run_dir: Path, nan: bool) -> list[Fau
 def _fire(fault: Fault) -> None:
     if fault.kind == "exception":
         raise InjectedFault(f"injected fault: {fault}")
+    if fault.kind == "diskfull":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: {fault})")
     if fault.kind == "exit":
         os._exit(1)
     if fault.kind == "hang":
-        while True:  # a pure-Python loop: holds the GIL except at interpreter switch points
-            pass
+        ctypes.PyDLL(None).sleep(_FOREVER_S)  # a PyDLL call keeps the GIL for its whole duration
+    if fault.kind == "sleep":
+        time.sleep(_FOREVER_S)
     sig = {"sigkill": signal.SIGKILL, "segfault": signal.SIGSEGV, "sigstop": signal.SIGSTOP}[fault.kind]
     os.kill(os.getpid(), sig)

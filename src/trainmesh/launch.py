@@ -8,21 +8,32 @@ been validated for the planned world size before any process starts.
 
 from __future__ import annotations
 
-import ipaddress
+import dataclasses
 import signal
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+from torch.distributed import DistError
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 
+from trainmesh.runtime.dist import is_loopback, loopback_store
 from trainmesh.runtime.env import free_port
 from trainmesh.runtime.logging import get_logger
 from trainmesh.train.preemption import EXIT_PREEMPTED
+from trainmesh.train.watchdog import EXIT_STALLED
 
 log = get_logger(__name__)
+
+
+EXIT_MEANINGS = {
+    EXIT_PREEMPTED: "stopped by SIGTERM (preemption) after saving a checkpoint",
+    EXIT_STALLED: "stall watchdog: no step within dist.stall_timeout_s; see <run>/stalls/ for the report and stacks",
+}
 
 
 class LaunchError(ValueError):
@@ -41,6 +52,8 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     max_restarts: int = 0
+    join_timeout_s: int = 300
+    """How long the nodes may take to meet (rendezvous) before the launch fails."""
 
     def nproc(self) -> int:
         if self.nproc_per_node == "auto":
@@ -90,6 +103,8 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
     nproc = opts.nproc()
     opts.node_bounds()  # validates --nnodes
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={opts.nnodes}", f"--max-restarts={opts.max_restarts}"]
+    if opts.join_timeout_s < 1:
+        raise LaunchError(f"--join-timeout={opts.join_timeout_s}: must be at least 1 (seconds)")
     if opts.rdzv_endpoint:
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -99,8 +114,9 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
             f"--rdzv-id={opts.rendezvous_id()}",
+            f"--rdzv-conf=join_timeout={opts.join_timeout_s}",
         ]
-        if _is_loopback(host):
+        if is_loopback(host):
             argv.append("--local-addr=127.0.0.1")  # workers then meet on loopback too
     elif opts.multi_node:
         if not opts.master_addr or not opts.master_port:
@@ -115,6 +131,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
             f"--node-rank={opts.node_rank}",
             f"--master-addr={opts.master_addr}",
             f"--master-port={opts.master_port}",
+            f"--rdzv-conf=timeout={opts.join_timeout_s}",
         ]
     else:
         # Single node: the store listens on loopback, on a port nobody else is using.
@@ -134,21 +151,25 @@ def check_resolvable(host: str, flag: str) -> None:
         ) from None
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
     """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI."""
+    store = None  # single node: the agent's store, on loopback only, kept alive while the agent runs
+    if not opts.multi_node and not opts.rdzv_endpoint and is_loopback(opts.master_addr or "127.0.0.1"):
+        try:
+            store = loopback_store(opts.master_port or 0, timedelta(seconds=opts.join_timeout_s))
+        except OSError as e:
+            raise LaunchError(
+                f"--master-port={opts.master_port}: {e.strerror}. Fix: choose another port, or leave "
+                "--master-port out to get a free one."
+            ) from None
+        opts = dataclasses.replace(opts, master_addr="127.0.0.1", master_port=store.port)
     argv = torchrun_argv(opts, entry, module)
     log.info("torchrun %s", " ".join(argv))
     try:
         torchrun.run(torchrun.parse_args(argv))
+    except (DistError, RendezvousError) as e:  # the nodes could not meet: say what to check
+        log.error("%s", explain_rendezvous_failure(e, opts))
+        return 1
     except SignalException as e:  # the agent forwarded it to the workers and waited for them
         if e.sigval == signal.SIGTERM:
             log.warning("SIGTERM: the workers stopped at a step boundary with a checkpoint; relaunch with --resume")
@@ -170,7 +191,34 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
     return 0
 
 
+def explain_rendezvous_failure(error: Exception, opts: LaunchOptions) -> str:
+    """torchrun's rendezvous error, turned into what happened and what to check."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = opts.rdzv_endpoint or f"{opts.master_addr or '127.0.0.1'}:{opts.master_port}"
+    waited = f"--join-timeout={opts.join_timeout_s} s"
+    same_flags = f"every node runs this command with --nnodes {opts.nnodes} and the same " + (
+        "--rdzv-endpoint" if opts.rdzv_endpoint else "--master-addr/--master-port, each with its own --node-rank"
+    )
+    if "EADDRINUSE" in first_line or "address already in use" in first_line.lower():
+        fix = "choose another --master-port" + ("" if opts.multi_node else ", or leave it out to get a free one")
+        return f"port {where} is already in use (another run, or another program). Fix: {fix}. [{first_line}]"
+    if "waiting for clients" in first_line or "RendezvousTimeout" in type(error).__name__:
+        return (
+            f"the nodes did not all join at {where} within {waited}: {first_line}\n"
+            f"Check that {same_flags}; that they can reach {where}; raise --join-timeout when nodes start late."
+        )
+    if "connect" in first_line.lower():
+        return (
+            f"nothing answered at {where} within {waited}: {first_line}\n"
+            f"Check that node 0 is running (with --node-rank 0), that {where} is its address "
+            f"as seen from this node, that no firewall blocks the port, and that {same_flags}."
+        )
+    return f"the rendezvous at {where} failed: {first_line}\nCheck that {same_flags}."
+
+
 def _describe(exitcode: int, signal_name: str) -> str:
     if exitcode < 0:
         return f"killed by signal {signal_name} ({exitcode})"
+    if exitcode in EXIT_MEANINGS:
+        return f"exit code {exitcode}: {EXIT_MEANINGS[exitcode]}"
     return f"exit code {exitcode}"

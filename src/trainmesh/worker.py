@@ -20,12 +20,14 @@ from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config, validate
 from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.rundir import default_run_name, write_config
+from trainmesh.runtime.dist import store_client
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import DDPOptions
 from trainmesh.train.loop import TrainResult, train
 from trainmesh.train.preemption import EXIT_PREEMPTED, PreemptionWatch
+from trainmesh.train.watchdog import StallWatchdog
 
 log = get_logger(__name__)
 
@@ -37,6 +39,8 @@ def build_runtime(config: Config) -> Runtime:
         device=config.dist.device,
         backend=config.dist.backend,
         timeout_s=config.dist.timeout_s,
+        init_timeout_s=config.dist.init_timeout_s,
+        debug=config.dist.debug,
         ddp=DDPOptions(**config_to_dict(config.parallel.ddp)),
         deterministic=config.run.deterministic,
     )
@@ -60,8 +64,11 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
             log.info("run directory: %s", run_dir)
             log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
         runtime.barrier()
-        with PreemptionWatch() as preemption:
-            result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption)
+        stall_watch = StallWatchdog(
+            run_dir, config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog")
+        )
+        with PreemptionWatch() as preemption, stall_watch as watchdog:
+            result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption, watchdog)
         if runtime.is_main_process:
             _report(result, run_dir)
     except BaseException as e:

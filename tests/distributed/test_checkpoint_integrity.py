@@ -160,3 +160,43 @@ def test_a_malicious_pickle_is_refused_even_with_a_matching_manifest(reference: 
     with pytest.raises(DistributedTestError, match="Weights only load failed"):
         run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=evil", "--checkpoint.resume=true"]))
     assert not marker.exists()
+
+
+def _escape_via_manifest(ckpt: Path) -> None:
+    """A manifest entry that names a file outside the checkpoint (with its true hash)."""
+    import json
+
+    from trainmesh.checkpoint.manifest import file_digest
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["../../config.toml"] = file_digest(ckpt.parents[1] / "config.toml")  # the run's own file
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _symlinked_file(ckpt: Path) -> None:
+    """A listed file replaced by a symlink to an identical copy elsewhere (same bytes, same hash)."""
+    elsewhere = ckpt.parents[2] / "elsewhere.pt"
+    shutil.copyfile(ckpt / "rng" / "rank_0.pt", elsewhere)
+    (ckpt / "rng" / "rank_0.pt").unlink()
+    (ckpt / "rng" / "rank_0.pt").symlink_to(elsewhere)
+
+
+@pytest.mark.parametrize("escape", [_escape_via_manifest, _symlinked_file], ids=["dotdot-entry", "symlinked-file"])
+def test_paths_that_escape_the_checkpoint_are_rejected_on_load(
+    reference: tuple[Path, dict], escape: Callable[[Path], None]
+) -> None:
+    root, _ = reference
+    run_dir = _damaged_copy(root, f"escape-{escape.__name__}", escape)
+    verdict = verify(run_dir / "checkpoints" / "step_00000006")
+    assert not verdict.ok and "points outside the checkpoint" in " ".join(verdict.problems)
+
+
+def test_a_symlinked_checkpoints_folder_is_refused_on_save(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    run_dir = tmp_path / "runs" / "linked"
+    run_dir.mkdir(parents=True)
+    checkpoint_root(run_dir).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(DistributedTestError, match="checkpoints are written only inside the run directory"):
+        run_distributed(train_rank, 1, args=(str(tmp_path), [*RUN, "--run.name=linked"]))
+    assert not any(outside.iterdir())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from support import nano_toml
-from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state
+from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state, verify
 
 pytestmark = pytest.mark.slow
 
@@ -148,3 +148,87 @@ def test_sigterm_stops_at_a_step_boundary_and_relaunch_continues_exactly(tmp_pat
     final, ref = (read_full_state(latest_checkpoint(tmp_path / "runs" / n)) for n in ("pre", "ref"))  # type: ignore[arg-type]
     for key, value in ref["model"].items():
         assert torch.equal(final["model"][key], value), key
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "fault", "stuck"),
+    [
+        ("stopped", "rank=1,step=3,kind=sigstop", 1),  # a stopped process runs nothing at all
+        ("gil-held", "rank=0,step=3,kind=hang", 0),  # no Python thread can run: faulthandler's C timer acts
+        ("stuck-loader", "rank=1,step=4,kind=sleep,phase=data", 1),  # the rank's own watchdog sees it
+    ],
+)
+def test_a_stall_is_diagnosed_torn_down_and_restarted(name: str, fault: str, stuck: int, reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, name, fault=fault, overrides=[*OVERRIDES, "--dist.stall_timeout_s=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    stalls = root / "runs" / name / "stalls"
+    report = (stalls / "attempt_0" / "report.txt").read_text()
+    assert f"Did not arrive: rank(s) {stuck}." in report, report
+    assert "completed no step for" in report and "after step 3" in report
+    waiting_peer = (stalls / "attempt_0" / f"rank_{1 - stuck}.txt").read_text()
+    assert re.search(r'trainmesh/train/loop.py", line \d+ in train', waiting_peer), waiting_peer
+    if name != "stopped":  # the stuck rank's own stack names the frame it is stuck in
+        stack = (stalls / "attempt_0" / f"rank_{stuck}.txt").read_text()
+        assert re.search(r'trainmesh/faults.py", line \d+ in _fire', stack), stack
+    assert not (stalls / "attempt_1").exists()  # the restarted attempt did not stall (and left no empty files)
+    assert not _processes_mentioning(f"runs/{name} "), "a process of the stalled attempt survived"
+    _assert_same_as_reference(root, name, reference)
+
+
+ASYNC = [*OVERRIDES, "--checkpoint.async_save=true"]
+
+
+def test_async_checkpoints_hold_the_same_bytes_and_the_last_is_durable_at_exit(reference: tuple) -> None:
+    """Saved in the background while training goes on (and mutates the weights in place): every
+    checkpoint still holds the state of its own step, and the final one is committed before exit."""
+    root = reference[0]
+    result = _train(root, "async", overrides=ASYNC, restarts=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = root / "runs" / "async"
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    assert all(verify(p).ok for p in list_checkpoints(run_dir))
+    _assert_same_as_reference(root, "async", reference)
+    middle = read_full_state(run_dir / "checkpoints" / "step_00000004")
+    reference_middle = read_full_state(root / "runs" / "reference" / "checkpoints" / "step_00000004")
+    for key, value in reference_middle["model"].items():
+        assert torch.equal(middle["model"][key], value), key
+
+
+def test_async_checkpoints_survive_a_kill(reference: tuple) -> None:
+    root = reference[0]
+    result = _train(root, "async-kill", fault="rank=1,step=5,kind=sigkill", overrides=ASYNC)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the save of step 4 may or may not have been committed when step 5 ended: either is a valid resume
+    assert re.search(r"resumed from \S*step_0000000[24]", result.stderr), result.stderr[-2000:]
+    _assert_same_as_reference(root, "async-kill", reference)
+
+
+@pytest.mark.parametrize("overrides", [OVERRIDES, ASYNC], ids=["sync", "async"])
+def test_a_full_disk_fails_every_rank_alike_and_keeps_the_previous_checkpoint(
+    overrides: list[str], reference: tuple
+) -> None:
+    root = reference[0]
+    name = "disk-full-" + ("async" if overrides is ASYNC else "sync")
+    result = _train(root, name, fault="rank=1,step=4,kind=diskfull,phase=checkpoint", overrides=overrides, restarts=0)
+    assert result.returncode == 1
+    run_dir = root / "runs" / name
+    for rank in (0, 1):  # the same error, reported by each rank itself
+        failed = r"saving checkpoint \S*step_00000004 failed on rank\(s\) \[1\]"
+        pattern = rf"\[rank{rank}\] ERROR rank {rank} failed: {failed}"
+        assert re.search(pattern, result.stderr), result.stderr[-3000:]
+    assert "No space left on device" in result.stderr
+    checkpoints = list_checkpoints(run_dir)
+    assert [p.name for p in checkpoints] == ["step_00000002"] and verify(checkpoints[0]).ok
+    assert not list((run_dir / "checkpoints").glob("step_00000004*"))  # nothing half-written is left

@@ -7,10 +7,13 @@ from trainmesh.checkpoint.catalog import (
     list_checkpoints,
     step_dir,
 )
-from trainmesh.checkpoint.dcp import TrainerState, load_checkpoint, read_full_state, save_checkpoint
+from trainmesh.checkpoint.dcp import TrainerState, load_checkpoint, read_full_state
 from trainmesh.checkpoint.manifest import verify
+from trainmesh.checkpoint.saver import Checkpointer, CheckpointWriteError
 
 __all__ = [
+    "CheckpointWriteError",
+    "Checkpointer",
     "CorruptCheckpointError",
     "TrainerState",
     "find_resumable",
@@ -18,7 +21,6 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "read_full_state",
-    "save_checkpoint",
     "step_dir",
     "verify",
 ]

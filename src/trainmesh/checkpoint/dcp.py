@@ -16,11 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +29,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from trainmesh.checkpoint.catalog import rotate, staging_dir, step_dir, write_latest
-from trainmesh.checkpoint.manifest import fsync_dir, write_json_durably, write_manifest
-from trainmesh.faults import maybe_inject
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -57,49 +53,12 @@ class TrainerState:
     versions: dict[str, str] = field(default_factory=dict)
 
 
-def save_checkpoint(
-    run_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainerState,
-    runtime: Runtime,
-    keep_last: int = 0,
-) -> Path:
-    """Collective: every rank calls it. Returns the committed directory."""
-    final = step_dir(run_dir, state.step)
-    staging = staging_dir(final)
-    if runtime.broadcast_object(final.exists() if runtime.is_main_process else False):
-        raise FileExistsError(f"checkpoint {final} already exists; a committed checkpoint is never overwritten")
-    if runtime.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)  # leftover of a crashed save of this step
-        (staging / "rng").mkdir(parents=True)
-    runtime.barrier()
-    model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)
-    with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
-    torch.save(_rng_state(), staging / "rng" / f"rank_{runtime.rank}.pt")
-    maybe_inject(state.step, "checkpoint", runtime.rank, run_dir)  # test hook: die before the commit
-    if runtime.is_main_process:
-        write_json_durably(staging / TRAINER_STATE, asdict(state))
-    runtime.barrier()  # every file is written
-    write_manifest(staging, runtime)  # hashes and fsyncs everything, in parallel over the ranks
-    if runtime.is_main_process:
-        staging.rename(final)  # the commit
-        fsync_dir(final.parent)
-        write_latest(run_dir, final)
-        for old in rotate(run_dir, keep_last):
-            log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, keep_last)
-        log.info("saved checkpoint %s", final)
-    runtime.barrier()
-    return final
-
-
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> TrainerState:
     """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
     state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
     loaded = {"model": model_state, "optim": optim_state}
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.load(loaded, checkpoint_id=str(path))
     runtime.strategy.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
     runtime.precision.load_state_dict(state.precision)
@@ -113,7 +72,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """DCP warns that it 'assumes a single process' when there is no process group: that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -125,12 +84,12 @@ def read_full_state(path: Path) -> dict[str, Any]:
     ({"model": {...}, "optim": {...}}); for inspection, comparison and export."""
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "full.pt"
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp_to_torch_save(str(path), str(target))
         return dict(torch.load(target, weights_only=True))
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     return {

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from trainmesh.runtime.runtime import Runtime
 
 MANIFEST = "manifest.json"
@@ -54,12 +56,12 @@ def _my_share(names: list[str], runtime: Runtime) -> list[str]:
     return names[runtime.rank :: runtime.world_size]
 
 
-def write_manifest(folder: Path, runtime: Runtime) -> None:
-    """Collective: hash (and fsync) every file in parallel; rank 0 writes the manifest."""
-    names = runtime.broadcast_object(_files(folder) if runtime.is_main_process else [])
+def write_manifest(folder: Path, runtime: Runtime, group: ProcessGroup | None = None) -> None:
+    """Collective (over `group`): hash (and fsync) every file in parallel; rank 0 writes the manifest."""
+    names = runtime.broadcast_object(_files(folder) if runtime.is_main_process else [], group=group)
     mine = {name: file_digest(folder / name, fsync=True) for name in _my_share(names, runtime)}
     entries: dict[str, Any] = {}
-    for part in runtime.all_gather_object(mine):
+    for part in runtime.all_gather_object(mine, group=group):
         entries.update(part)
     if runtime.is_main_process:
         write_json_durably(folder / MANIFEST, {"format": FORMAT, "files": entries})
@@ -94,6 +96,8 @@ def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:
 
 def _check_file(folder: Path, name: str, expected: dict[str, Any]) -> str | None:
     path = folder / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or path.is_symlink():
+        return f"{folder / MANIFEST}: entry {name!r} points outside the checkpoint (absolute, '..' or a symlink)"
     if not path.is_file():
         return f"{path}: missing"
     if path.stat().st_size != expected["size"]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainmesh.precision import PRECISIONS
-from trainmesh.runtime.dist import BACKENDS, DEVICES
+from trainmesh.runtime.dist import BACKENDS, DEBUG_LEVELS, DEVICES
 from trainmesh.strategies import COMM_HOOKS, STRATEGIES
 
 
@@ -27,7 +27,7 @@ def _at_least(key: str, value: float, low: float) -> None:
 @dataclass
 class RunConfig:
     recipe: str = "gpt"
-    """Which built-in recipe to train (gpt)."""
+    """Which built-in recipe to train: gpt | resnet."""
     name: str = ""
     """Run id, the name of the run directory under out_dir; empty: <recipe>-<date>-<time>."""
     out_dir: str = "runs"
@@ -53,11 +53,20 @@ class DistConfig:
     """auto (nccl on cuda, gloo otherwise) | nccl | gloo | mpi."""
     timeout_s: float = 600.0
     """Collective / process-group timeout in seconds."""
+    init_timeout_s: float = 300.0
+    """Seconds to wait for every rank to join the group (address unreachable, processes missing)."""
+    stall_timeout_s: float = 600.0
+    """No step, evaluation or checkpoint finished for this long: dump every rank's stack and restart; 0: off."""
+    debug: str = "off"
+    """Collective checks (TORCH_DISTRIBUTED_DEBUG): off | info | detail (reports mismatched collectives)."""
 
     def __post_init__(self) -> None:
         _one_of("dist.device", self.device, DEVICES)
         _one_of("dist.backend", self.backend, BACKENDS)
+        _one_of("dist.debug", self.debug, DEBUG_LEVELS)
         _at_least("dist.timeout_s", self.timeout_s, 1)
+        _at_least("dist.init_timeout_s", self.init_timeout_s, 1)
+        _at_least("dist.stall_timeout_s", self.stall_timeout_s, 0)
 
 
 @dataclass
@@ -163,11 +172,12 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """embedded (the Python standard library's source) | path to a text file | folder of token shards."""
+    """embedded (gpt: the Python standard library's source; resnet: scikit-learn's digits) | a text file or
+    a folder of token shards (gpt) | a folder of class sub-folders of images (resnet)."""
     tokenizer: str = "byte"
     """Tokenizer for text sources (byte: 256 symbols, no training needed)."""
     val_fraction: float = 0.05
-    """Share of a text corpus held out for validation."""
+    """Share of a text corpus (or of the images, without a train/val split on disk) held out for validation."""
     max_corpus_mb: float = 8.0
     """Cap on the embedded corpus size in MiB."""
     cache_dir: str = ""
@@ -196,6 +206,8 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints (0: keep all); the newest is never deleted."""
     on_corrupt: str = "fallback"
     """A checkpoint that fails verification on resume: fallback (move it aside, use an older one) | abort."""
+    async_save: bool = False
+    """Write checkpoints in the background (training stalls only to copy the state to CPU memory)."""
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every", self.every, 0)

@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt import GPTRecipe
+from trainmesh.recipes.resnet import ResNetRecipe
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"gpt": GPTRecipe}
+RECIPES: dict[str, Callable[[], Recipe]] = {"gpt": GPTRecipe, "resnet": ResNetRecipe}
 
 __all__ = ["RECIPES", "Recipe", "get_recipe"]
 

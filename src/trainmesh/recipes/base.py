@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 class Recipe(ABC):
     name: str
     model_config_cls: type[ModelConfig]
+    eval_metrics: tuple[str, ...] = ()
+    """Validation metrics besides the loss that `eval_sums` returns, each reported as val_<name>."""
 
     def tokens_per_sample(self, model: ModelConfig) -> int:
         """Tokens in one sample, for token-denominated batch sizes; 0 when samples are not token sequences."""
@@ -50,6 +52,12 @@ class Recipe(ABC):
     @abstractmethod
     def count_targets(self, batch: Any) -> int:
         """How many targets `loss_sum` sums over (tokens not equal to ignore_index, or samples)."""
+
+    def eval_sums(self, module: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Validation sums for one batch: the summed loss under "loss", plus one per name in `eval_metrics`
+        (e.g. "top1": correctly classified samples). The loop adds them up over batches and ranks and
+        divides each by the target count. One hook, so a classifier runs one forward for all of them."""
+        return {"loss": self.loss_sum(module, batch)}
 
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token (or sample) for MFU; 0 when unknown."""

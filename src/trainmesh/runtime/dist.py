@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
+import socket
 import time
 from datetime import timedelta
 
@@ -18,6 +20,7 @@ log = get_logger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
+DEBUG_LEVELS = ("off", "info", "detail")
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
@@ -78,12 +81,19 @@ def _mps_available() -> bool:
 
 
 def init_process_group(
-    env: DistEnv, backend: str, device: torch.device, timeout_s: float, required: bool = False
+    env: DistEnv,
+    backend: str,
+    device: torch.device,
+    timeout_s: float,
+    required: bool = False,
+    init_timeout_s: float = 300.0,
+    debug: str = "off",
 ) -> None:
-    """Join the job's process group.
+    """Join the job's process group, or fail within `init_timeout_s` saying what to check.
 
     A single process needs none unless `required` (DDP insists on a group even for world size 1); it
-    then gets a private one on a free loopback port.
+    then gets a private one on a free loopback port. `debug` sets TORCH_DISTRIBUTED_DEBUG: `detail`
+    checks that every rank calls the same collective with the same shapes.
     """
     if dist.is_initialized() or not (env.is_distributed or required):
         return
@@ -92,40 +102,96 @@ def init_process_group(
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, value in env.export().items():  # SLURM: give env:// what torchrun would have set
         os.environ.setdefault(key, value)
+    if debug != "off":
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug.upper()
+        dist.set_debug_level_from_env()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    log.debug(
-        "init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size, env.master_addr, env.master_port
-    )
-    timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=backend,
-        store=_attempt_store(env, timeout),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    log.debug("init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size, addr, port)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=attempt_store(addr, port, env, timedelta(seconds=init_timeout_s)),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except dist.DistError as e:
+        raise RuntimeError(
+            f"rank {env.rank} of {env.world_size} could not join the process group at {addr}:{port} within "
+            f"dist.init_timeout_s={init_timeout_s:g} s: {str(e).splitlines()[0]}\n"
+            f"Check: that the master (rank 0) runs and listens on {addr}:{port} and is reachable from here "
+            f"(MASTER_ADDR/MASTER_PORT, firewalls); that all {env.world_size} processes of WORLD_SIZE were "
+            "started, with distinct ranks; that the port is not used by another job."
+        ) from e
 
 
-def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client: bool = False) -> dist.Store:
     """The rendezvous store, with every key namespaced by torchrun's restart attempt.
 
     Under torchrun the store outlives a failed attempt (the agent hosts it), and a restarted group can
     read the dead attempt's peer addresses before the new ones are written: gloo then fails with
     "connection refused" (seen with torch 2.13 in about 2 restarts of 3; cf. pytorch/pytorch#167288).
-    A per-attempt prefix makes every attempt meet on fresh keys.
+    A per-attempt prefix makes every attempt meet on fresh keys. `client`: one more connection to a
+    store that already runs (for a background thread).
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        env.world_size,
-        is_master=env.rank == 0 and not agent_hosts_it,
-        timeout=timeout,
-    )
+    store: dist.Store
+    if env.rank == 0 and not agent_hosts_it and not client and is_loopback(addr):
+        store = loopback_store(port, timeout, env.world_size)
+    else:
+        is_master = env.rank == 0 and not agent_hosts_it and not client
+        store = dist.TCPStore(addr, port, None if client else env.world_size, is_master=is_master, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"trainmesh/attempt-{attempt}", store)
+
+
+def loopback_store(port: int, timeout: timedelta, world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore server that listens on 127.0.0.1 only (port 0: a free one; see `.port`).
+
+    A TCPStore alone listens on every interface, which on a single node would expose the job to the
+    network for no reason. It can adopt a socket we bound ourselves; `multi_tenant` lets torchrun's
+    agent, which opens its store on the same port in this process, share this server.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free; a listened one not
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"port {port} on 127.0.0.1 is already in use (another run, or another program)") from e
+    return dist.TCPStore(
+        "127.0.0.1",
+        sock.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=world_size is not None,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),  # the store owns the socket from here on
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def store_client(namespace: str, timeout_s: float = 60.0) -> dist.Store | None:
+    """A new connection to this job's store, its keys under `namespace`; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    env = DistEnv.from_environ()
+    store = attempt_store(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env, timedelta(seconds=timeout_s), client=True
+    )
+    return dist.PrefixStore(namespace, store)
 
 
 def teardown(success: bool) -> None:

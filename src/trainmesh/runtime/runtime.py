@@ -70,6 +70,8 @@ class Runtime:
         backend: str = "auto",
         seed: int | None = None,
         timeout_s: float = 600.0,
+        init_timeout_s: float = 300.0,
+        debug: str = "off",
         ddp: DDPOptions | None = None,
         deterministic: bool = False,
         env: DistEnv | None = None,
@@ -80,7 +82,15 @@ class Runtime:
         self.backend = select_backend(backend, self.device)
         strategy_name = resolve_strategy_name(strategy, self.env.world_size)
         self.precision: Precision = build_precision(precision, self.device)
-        init_process_group(self.env, self.backend, self.device, timeout_s, required=strategy_name == "ddp")
+        init_process_group(
+            self.env,
+            self.backend,
+            self.device,
+            timeout_s,
+            required=strategy_name == "ddp",
+            init_timeout_s=init_timeout_s,
+            debug=debug,
+        )
         self.strategy: Strategy = build_strategy(strategy_name, self.env, self.device, ddp)
         set_deterministic(deterministic)
         if seed is not None:
@@ -220,24 +230,29 @@ class Runtime:
             work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
         return PendingReduce(tensor, work, self.world_size if op == "mean" and work else 1)
 
-    def barrier(self) -> None:
+    # `group`: another group of all ranks, e.g. one that a background thread uses while training runs.
+    def barrier(self, group: dist.ProcessGroup | None = None) -> None:
         if self._has_group:
-            dist.barrier()
+            dist.barrier(group)
 
-    def all_gather_object(self, obj: T) -> list[T]:
+    def all_gather_object(self, obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
         """Every rank's `obj`, in rank order (picklable objects)."""
         if not self._has_group or self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
-    def broadcast_object(self, obj: T, src: int = 0) -> T:
+    def broadcast_object(self, obj: T, src: int = 0, group: dist.ProcessGroup | None = None) -> T:
         if not self._has_group or self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
+
+    def new_group(self) -> dist.ProcessGroup | None:
+        """Collective: a second gloo group of all ranks (None without a process group)."""
+        return dist.new_group(backend="gloo") if self._has_group else None
 
     @contextlib.contextmanager
     def local_main_first(self) -> Iterator[None]:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from trainmesh.checkpoint import TrainerState, find_resumable, load_checkpoint, save_checkpoint, step_dir
+from trainmesh.checkpoint import Checkpointer, TrainerState, find_resumable, load_checkpoint, step_dir
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config, TrainConfig
 from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
@@ -39,6 +39,7 @@ from trainmesh.runtime.runtime import PendingReduce, Runtime
 from trainmesh.train.batch import BatchPlan, loss_scale
 from trainmesh.train.optim import build_optimizer, lr_at, set_lr
 from trainmesh.train.preemption import PreemptionWatch
+from trainmesh.train.watchdog import StallWatchdog
 from trainmesh.versions import versions
 
 log = get_logger(__name__)
@@ -57,10 +58,17 @@ class TrainResult:
 
 
 def train(
-    config: Config, recipe: Recipe, runtime: Runtime, run_dir: Path, preemption: PreemptionWatch | None = None
+    config: Config,
+    recipe: Recipe,
+    runtime: Runtime,
+    run_dir: Path,
+    preemption: PreemptionWatch | None = None,
+    watchdog: StallWatchdog | None = None,
 ) -> TrainResult:
-    """Train to `train.max_steps`, or until `preemption` reports SIGTERM (then: checkpoint and stop)."""
+    """Train to `train.max_steps`, or until `preemption` reports SIGTERM (then: checkpoint and stop).
+    Each finished step, evaluation and checkpoint is reported to `watchdog`."""
     preemption = preemption or PreemptionWatch()  # not installed: never requested
+    watchdog = watchdog or StallWatchdog.off()
     tcfg = config.train
     if runtime.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,14 +124,16 @@ def train(
 
     def evaluate() -> float:
         # On the raw model: ranks may hold unequal shares, and a wrapper's forward could hold collectives.
-        val_loss = _evaluate(raw_model, val_set, eval_ids, recipe, runtime)
+        val_loss, val_extra = _evaluate(raw_model, val_set, eval_ids, recipe, runtime)
         if writer:
-            writer.write(state.step, {"val_loss": val_loss}, kind="val")
+            writer.write(state.step, {"val_loss": val_loss, **val_extra}, kind="val")
         return val_loss
+
+    checkpointer = Checkpointer(run_dir, runtime, ckpt.keep_last, background=ckpt.async_save)
 
     def save() -> Path:
         state.precision = runtime.precision.state_dict()
-        return save_checkpoint(run_dir, model, optimizer, state, runtime, ckpt.keep_last)
+        return checkpointer.save(model, optimizer, state)
 
     initial_val_loss = val_loss = evaluate() if state.step == 0 else math.nan
     if runtime.is_main_process and state.step == 0:
@@ -141,6 +151,7 @@ def train(
         lr = lr_at(step, config.optim, tcfg.max_steps)
         set_lr(optimizer, lr)
 
+        maybe_inject(step + 1, "data", runtime.rank, run_dir)  # test hook: a stuck data loader
         micro_batches = [next(data) for _ in range(plan.accum_steps)]
         local_targets = sum(recipe.count_targets(mb) for mb in micro_batches)  # counted on the CPU
         # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
@@ -173,6 +184,7 @@ def train(
 
         state.step = step + 1
         state.samples_seen += plan.global_batch
+        watchdog.beat(state.step)
         maybe_inject(state.step, "step", runtime.rank, run_dir)  # test hook; a no-op unless TRAINMESH_FAULT
         global_targets, stop_votes = reduced.result()
         if stepped:  # the logged loss is that of the steps taken
@@ -208,6 +220,7 @@ def train(
             progress.message(f"step {state.step}: val loss {val_loss:.4f}")
         if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
             checkpoint = save()
+        watchdog.beat(state.step)
         window_start += time.perf_counter() - pause_start
         if stop_votes:  # SIGTERM reached some rank; every rank learns it at this same step
             progress.message(f"preemption requested: stopping at step {state.step} with a checkpoint")
@@ -222,8 +235,10 @@ def train(
         val_loss = evaluate()
         if ckpt.final and state.step > start_step:  # the same decision on every rank
             checkpoint = save()
+        watchdog.beat(state.step)  # the final evaluation and save were progress too
         # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
         sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
+    checkpointer.close()  # an async save in flight is committed, and durable, before we return
     if writer:
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
@@ -251,18 +266,23 @@ def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: TrainConfig, runtime: R
 @torch.no_grad()
 def _evaluate(
     model: nn.Module, val_set: Dataset[Any], micro_batches: list[list[int]], recipe: Recipe, runtime: Runtime
-) -> float:
-    """Mean validation loss over a fixed slice, weighted by targets across all ranks."""
+) -> tuple[float, dict[str, float]]:
+    """Mean validation loss over a fixed slice, weighted by targets across all ranks, and the recipe's
+    other metrics (`Recipe.eval_sums`, e.g. {"val_top1": accuracy}) as means over the same targets."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)  # (loss sum, targets)
+    names = ("loss", *recipe.eval_metrics)  # declared up front: a rank may have no batches at all
+    totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=runtime.device)  # (*sums, targets)
     for ids in micro_batches:
         batch = default_collate([val_set[i] for i in ids])
-        totals[1] += recipe.count_targets(batch)
+        totals[-1] += recipe.count_targets(batch)
         with runtime.autocast():
-            totals[0] += recipe.loss_sum(model, runtime.to_device(batch)).double()
+            sums = recipe.eval_sums(model, runtime.to_device(batch))
+        for i, name in enumerate(names):
+            totals[i] += sums[name].double()
     model.train()
-    loss_sum, targets = runtime.all_reduce(totals, "sum").tolist()
-    return float(loss_sum / targets)
+    *reduced, targets = runtime.all_reduce(totals, "sum").tolist()  # one all-reduce for every metric
+    loss, *extra = (float(s / targets) for s in reduced)
+    return loss, {f"val_{name}": value for name, value in zip(recipe.eval_metrics, extra, strict=True)}
 
 
 def _throughput_metrics(

@@ -1,0 +1,125 @@
+"""`trainmesh ckpt export`: a checkpoint's model weights as one safetensors file, bit for bit.
+
+    trainmesh ckpt export runs/<name>                       # its newest checkpoint that verifies
+    trainmesh ckpt export runs/<name>/checkpoints/step_00000300 -o model.safetensors
+
+The checkpoint is verified against its manifest before anything in it is read (an unverified one is
+refused, with its problems). The default output is `<run>/export/model_step_XXXXXXXX.safetensors`; an
+existing file is replaced only with `force`, and the file is written under a temporary name and
+renamed into place, so a failed export leaves nothing behind.
+
+Tensors keep their names (as in the model's `state_dict()`), dtypes and values exactly. Tied weights
+(the GPT recipe's `wte.weight` and `lm_head.weight`) are kept under both names, each with its own
+copy of the data: safetensors refuses tensors that share memory, and with both names present
+`model.load_state_dict(load_file(path), strict=True)` accepts the file (loading re-ties nothing: it
+copies the same values into the one shared parameter twice). The header metadata (string to string)
+holds `format=pt`, the step, the recipe, the model config as JSON and the versions that saved the
+checkpoint and that exported it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from trainmesh.checkpoint.catalog import CHECKPOINT_DIR
+from trainmesh.checkpoint.dcp import TRAINER_STATE, read_full_state
+from trainmesh.checkpoint.inspect import checkpoints_at
+from trainmesh.checkpoint.manifest import verify
+from trainmesh.runtime.logging import get_logger
+from trainmesh.versions import versions
+
+log = get_logger(__name__)
+
+EXPORT_DIR = "export"
+
+
+class ExportError(ValueError):
+    """The export was refused: an unverified checkpoint, an existing output, a non-tensor entry."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    checkpoint: Path
+    path: Path
+    step: int
+    tensors: int
+    bytes: int
+
+
+def exportable_checkpoint(path: Path) -> Path:
+    """`path` itself if it is a checkpoint that verifies; for a run directory, its newest one that does."""
+    candidates = checkpoints_at(path)  # FileNotFoundError when it is neither
+    is_run_dir = candidates != [path]
+    problems: list[str] = []
+    for ckpt in reversed(candidates):
+        verdict = verify(ckpt)
+        if verdict.ok:
+            return ckpt
+        problems += verdict.problems
+        if is_run_dir:
+            log.warning("skipping %s, which fails verification:\n  %s", ckpt, "\n  ".join(verdict.problems))
+    what = "no checkpoint of this run verifies" if is_run_dir else "refusing to export an unverified checkpoint"
+    raise ExportError(f"{what}:\n  " + "\n  ".join(problems))
+
+
+def default_output(ckpt: Path, step: int) -> Path:
+    """`<run>/export/model_step_XXXXXXXX.safetensors` (next to the checkpoint's folder if not in a run)."""
+    base = ckpt.parent.parent if ckpt.parent.name == CHECKPOINT_DIR else ckpt.parent
+    return base / EXPORT_DIR / f"model_step_{step:08d}.safetensors"
+
+
+def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) -> Exported:
+    """Verify, then write the model weights of a checkpoint (or a run's newest valid one) to safetensors."""
+    ckpt = exportable_checkpoint(path)
+    state: dict[str, Any] = json.loads((ckpt / TRAINER_STATE).read_text())
+    step = int(state["step"])
+    out = out if out is not None else default_output(ckpt, step)
+    if out.is_dir():
+        raise ExportError(f"{out} is a directory. Fix: -o a file path, e.g. -o {out / 'model.safetensors'}")
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists. Fix: pass --force to overwrite it, or -o another path.")
+    tensors = standalone_tensors(read_full_state(ckpt)["model"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=_metadata(state))
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Exported(ckpt, out, step, len(tensors), out.stat().st_size)
+
+
+def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, none sharing memory with another (safetensors' rule): a tensor whose
+    storage was already taken, as tied weights' is, gets its own copy; values are unchanged."""
+    tensors: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
+    for name, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            kind = type(value).__name__
+            raise ExportError(f"model entry {name!r} is not a tensor ({kind}); safetensors files hold tensors only")
+        tensor = value.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in taken:
+            tensor = tensor.clone()
+        taken.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor
+    return tensors
+
+
+def _metadata(state: dict[str, Any]) -> dict[str, str]:
+    config = state["config"]
+    return {
+        "format": "pt",  # the convention of Hugging Face loaders: PyTorch tensor layout
+        "trainmesh.step": str(state["step"]),
+        "trainmesh.recipe": str(config["run"]["recipe"]),
+        "trainmesh.model_config": json.dumps(config["model"], sort_keys=True),
+        "trainmesh.saved_with": json.dumps(state.get("versions", {}), sort_keys=True),
+        "trainmesh.exported_with": json.dumps(versions(), sort_keys=True),
+    }

@@ -1,0 +1,237 @@
+"""Stall watchdog: when no training step completes within `dist.stall_timeout_s`, explain the hang and
+end the attempt, so that torchrun can restart the group instead of burning hours.
+
+Each rank runs one daemon thread. The loop calls `beat(step)` after every step (and around evaluation
+and checkpoints), which only records two numbers. Every `interval` seconds the thread:
+  - publishes a heartbeat to the rendezvous store: last step, host, pid, and where the main thread is
+    right now (`sys._current_frames`), so that peers can tell who is stuck, and where;
+  - keeps faulthandler's timer armed to fire `grace` seconds after the stall timeout. That timer is a C
+    thread that needs no GIL: a rank stuck in a call that holds the GIL, where no Python thread can run,
+    still writes its stack and exits.
+When the thread sees no beat for `timeout_s`, it writes every thread's stack to
+`<run>/stalls/attempt_<n>/rank_<r>.txt`; the first rank there writes `report.txt`, naming the ranks that
+did not arrive; and the process exits with `EXIT_STALLED`. torchrun then stops the remaining workers
+(SIGTERM, then SIGKILL after 30 s, which a SIGSTOPped rank needs) and restarts the group, which resumes
+from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+import torch.distributed as dist
+
+from trainmesh.runtime.logging import get_logger
+
+log = get_logger(__name__)
+
+EXIT_STALLED = 76
+# Frames of these files mean "waiting for the other ranks": a collective, or a backward whose gradient
+# all-reduce (DDP) waits for them.
+_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "trainmesh/runtime/")
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step: int
+    idle_s: float
+    """Seconds since this rank's last beat, when it published."""
+    published: float
+    """time.time() of publication; a stale one means the rank no longer runs Python."""
+    host: str
+    pid: int
+    where: str
+    """The main thread's innermost frame, and the innermost one in trainmesh or user code."""
+    waiting: bool
+    """The main thread is inside a collective or a backward (i.e. it arrived and waits for others)."""
+
+
+class StallWatchdog:
+    """Context manager; a no-op when `timeout_s` is 0."""
+
+    def __init__(self, run_dir: Path, timeout_s: float, rank: int, world_size: int, store: dist.Store | None) -> None:
+        self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.dir = run_dir / "stalls" / f"attempt_{attempt}"
+        self.interval = min(max(timeout_s / 10, 0.1), 5.0)
+        self.grace = max(3 * self.interval, 1.0)  # the Python thread acts first when it can run
+        self._step = 0
+        self._last_beat: float | None = None  # armed by the first beat, so compilation is not a stall
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="trainmesh-stall-watchdog", daemon=True)
+        self._main_ident = threading.main_thread().ident
+        self._stacks: IO[str] | None = None
+
+    @classmethod
+    def off(cls) -> StallWatchdog:
+        return cls(Path("."), 0, 0, 1, None)
+
+    def beat(self, step: int) -> None:
+        self._step, self._last_beat = step, time.monotonic()
+
+    def __enter__(self) -> StallWatchdog:
+        if self.timeout_s > 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # Opened now: faulthandler's timer needs a file descriptor in advance.
+            self._stacks = open(self.dir / f"rank_{self.rank}.txt", "w")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stacks is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        faulthandler.cancel_dump_traceback_later()
+        self._stacks.close()
+        # Nothing stalled: leave no empty files behind (the folders go when the last rank leaves them).
+        path = Path(self._stacks.name)
+        if path.stat().st_size == 0:
+            path.unlink()
+            for folder in (self.dir, self.dir.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+    def _watch(self) -> None:
+        armed_for: float | None = None
+        while not self._stop.wait(self.interval):
+            last = self._last_beat
+            if last is None:
+                continue
+            idle = time.monotonic() - last
+            self._publish(idle)
+            if idle > self.timeout_s:
+                self._stalled(idle)
+            if armed_for != last:  # progress since the timer was armed: arm it anew from that beat
+                assert self._stacks is not None
+                faulthandler.dump_traceback_later(self.timeout_s + self.grace - idle, file=self._stacks, exit=True)
+                armed_for = last
+
+    def _publish(self, idle: float) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"rank_{self.rank}", json.dumps(asdict(self._heartbeat(idle))))
+        except (RuntimeError, OSError) as e:  # the store's host is gone: the job is ending anyway
+            log.debug("heartbeat not published: %s", e)
+
+    def _heartbeat(self, idle: float) -> Heartbeat:
+        where, waiting = _main_thread_location(sys._current_frames().get(self._main_ident or 0))
+        return Heartbeat(self.rank, self._step, idle, time.time(), socket.gethostname(), os.getpid(), where, waiting)
+
+    def _stalled(self, idle: float) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        assert self._stacks is not None
+        self._stacks.write(f"rank {self.rank}: no step completed for {idle:.1f} s after step {self._step}\n")
+        self._stacks.flush()
+        faulthandler.dump_traceback(self._stacks, all_threads=True)
+        self._stacks.flush()
+        try:
+            if self.store is None or self.store.add("reporters", 1) == 1:  # the first rank here reports
+                report = self.report(idle)
+                (self.dir / "report.txt").write_text(report + "\n")
+                log.error("%s", report)
+            else:
+                log.error("rank %d: no step for %.1f s; stacks in %s", self.rank, idle, self.dir)
+            if self.store is not None:
+                self._await_peer_dumps()
+        except (RuntimeError, OSError) as e:  # whatever fails here, the process must still leave
+            log.error("rank %d: stalled, and the stall report failed: %s", self.rank, e)
+        for handler in logging.getLogger("trainmesh").handlers:
+            handler.flush()
+        os._exit(EXIT_STALLED)
+
+    def _await_peer_dumps(self) -> None:
+        """Leave only once the ranks that can still run have written their stacks (torchrun stops
+        everybody as soon as one worker exits), but never wait long for ranks that cannot."""
+        assert self.store is not None
+        dumped = self.store.add("dumped", 1)
+        deadline = time.monotonic() + 2 * self.interval + 1.0
+        while dumped < self.world_size and time.monotonic() < deadline:
+            time.sleep(self.interval / 2)
+            dumped = self.store.add("dumped", 0)
+
+    def report(self, idle: float) -> str:
+        """What every rank was doing, and which ranks did not arrive."""
+        beats = self._heartbeats()
+        newest = max((b.step for b in beats.values()), default=self._step)
+        now = time.time()
+        lines = [
+            f"STALL: rank {self.rank} completed no step for {idle:.1f} s (dist.stall_timeout_s={self.timeout_s:g}) "
+            f"after step {self._step}.",
+        ]
+        missing = []
+        for rank in range(self.world_size):
+            beat = beats.get(rank)
+            if beat is None:
+                lines.append(f"  rank {rank}: no heartbeat at all")
+                missing.append(rank)
+                continue
+            silent = now - beat.published
+            state = f"step {beat.step}, {beat.host} pid {beat.pid}"
+            if silent > max(3 * self.interval, 1.0):
+                lines.append(
+                    f"  rank {rank}: {state}: SILENT for {silent:.1f} s: stopped (e.g. SIGSTOP), or stuck "
+                    f"in a call that holds the GIL; last seen at {beat.where}"
+                )
+                missing.append(rank)
+            elif beat.step < newest or not beat.waiting:
+                lines.append(f"  rank {rank}: {state}: NOT WAITING for peers; at {beat.where}")
+                missing.append(rank)
+            else:
+                lines.append(f"  rank {rank}: {state}: waiting for peers at {beat.where}")
+        if missing:
+            lines.append(f"Did not arrive: rank(s) {', '.join(map(str, missing))}.")
+        else:
+            lines.append("Every rank waits in a collective: a mismatch? Rerun with --dist.debug=detail.")
+        lines.append(f"Python stacks of every rank: {self.dir}/rank_<r>.txt")
+        return "\n".join(lines)
+
+    def _heartbeats(self) -> dict[int, Heartbeat]:
+        if self.store is None:
+            return {self.rank: self._heartbeat(0.0)}
+        keys = [f"rank_{r}" for r in range(self.world_size)]
+        beats = {}
+        for rank, key in enumerate(keys):
+            if self.store.check([key]):
+                beats[rank] = Heartbeat(**json.loads(self.store.get(key)))
+        return beats
+
+
+def _main_thread_location(frame: FrameType | None) -> tuple[str, bool]:
+    """('innermost frame [<- innermost frame of ours]', whether it waits for peers)."""
+    if frame is None:
+        return "unknown", False
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    files = [f.f_code.co_filename.replace(os.sep, "/") for f in stack]
+    waiting = any(marker in files[0] for marker in _WAITING_IN)
+    described = _describe(stack[0])
+    ours = next((f for f, name in zip(stack, files, strict=True) if not _is_library(name)), None)
+    if ours is not None and ours is not stack[0]:
+        described += f" <- {_describe(ours)}"
+    return described, waiting
+
+
+def _is_library(filename: str) -> bool:
+    return "/torch/" in filename or "trainmesh/runtime/" in filename
+
+
+def _describe(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"

@@ -1,0 +1,152 @@
+"""Bad launch input fails within seconds, saying what to check — never a 30-minute hang — and a
+single-node run listens on loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support import descendants, nano_toml
+from trainmesh.runtime.env import free_port
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+QUICK = 60  # seconds: far below any default timeout (300-900 s), far above what these failures take
+
+
+def _run(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(root)), *args],
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=QUICK,
+        check=False,
+    )
+    return result, time.monotonic() - start
+
+
+def _node_of_two(node_rank: int, port: int) -> list[str]:
+    """One node of a static two-node launch, alone; rendezvous given 3 s."""
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", "3"]
+    return ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node_rank), *where]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_port_in_use_is_refused_at_once(tmp_path: Path, busy_port: int) -> None:
+    result, _ = _run(tmp_path, "--nproc-per-node", "1", "--master-port", str(busy_port))
+    assert result.returncode == 2
+    assert f"--master-port={busy_port}" in result.stderr and "already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_nothing_listening_at_the_master_fails_within_the_join_timeout(tmp_path: Path) -> None:
+    port = free_port()
+    flags = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1"]
+    result, took = _run(
+        tmp_path, *flags, "--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", "3"
+    )
+    assert result.returncode == 1 and took < QUICK
+    assert f"nothing answered at 127.0.0.1:{port} within --join-timeout=3 s" in result.stderr
+    assert "Check that node 0 is running" in result.stderr
+
+
+def test_a_world_that_never_fills_fails_within_the_join_timeout(tmp_path: Path) -> None:
+    port = free_port()
+    result, _ = _run(tmp_path, *_node_of_two(0, port))
+    assert result.returncode == 1
+    assert f"the nodes did not all join at 127.0.0.1:{port}" in result.stderr and "1/2" in result.stderr
+
+
+def test_world_size_larger_than_the_processes_that_come(tmp_path: Path) -> None:
+    """A worker started by hand (no torchrun) that waits for a peer who never comes."""
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "trainmesh", "gpt", "--config", str(nano_toml(tmp_path)), "--dist.init_timeout_s=3"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=QUICK,
+        check=False,
+    )
+    assert result.returncode != 0 and time.monotonic() - start < QUICK
+    assert "rank 0 of 2 could not join the process group at 127.0.0.1" in result.stderr
+    assert "dist.init_timeout_s=3" in result.stderr and "1/2" in result.stderr
+
+
+def _listening_addresses(pids: list[int]) -> set[str]:
+    """host:port of every TCP socket in LISTEN state owned by `pids` (from /proc, Linux only)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                host, port = fields[1].split(":")
+                ip = socket.inet_ntop(
+                    socket.AF_INET if width == 8 else socket.AF_INET6,
+                    bytes.fromhex(host)[::-1] if width == 8 else _ipv6(host),
+                )
+                addresses.add(f"{ip}:{int(port, 16)}")
+    return addresses
+
+
+def _ipv6(host: str) -> bytes:
+    words = [bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, 32, 8)]  # four little-endian 32-bit words
+    return b"".join(words)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads sockets from /proc (Linux)")
+def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    cmd = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "2"]
+    cmd += ["--run-id", "listen", "--", "--train.max_steps=100000", "--run.log_every=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "runs" / "listen" / "metrics.jsonl"
+        deadline = time.monotonic() + QUICK
+        while not (metrics.exists() and metrics.read_text().count("\n") > 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert metrics.exists(), "training did not start"
+        pids = descendants(proc.pid)
+        assert len(pids) >= 3  # the agent and two workers
+        addresses = _listening_addresses(pids)
+        assert addresses, "found no listening socket at all: the check itself is broken"
+        assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    finally:
+        proc.send_signal(signal.SIGTERM)  # preemption: a clean stop
+        proc.communicate(timeout=QUICK)

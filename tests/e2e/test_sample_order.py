@@ -1,0 +1,60 @@
+"""Each sample is consumed exactly as in the uninterrupted run — across a kill, a restart and epoch
+boundaries — checked from the ids that every rank logs as it trains (scripts/consumed_ids.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import nano_toml
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+SCRIPT = Path(__file__).parent / "scripts" / "consumed_ids.py"
+# 40 training samples, 8 per optimizer step (4 per rank): an epoch is 5 steps, so 12 steps cross two.
+OVERRIDES = ["--train.max_steps=12", "--checkpoint.every=4", "--train.global_batch=8", "--model.dropout=0.1"]
+
+
+def _train(root: Path, name: str, fault: str = "") -> Path:
+    run_dir = root / "runs" / name
+    cmd = [str(BIN / "trainmesh"), "run", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT)]
+    cmd += ["--config", str(nano_toml(root)), "--run-dir", str(run_dir), *OVERRIDES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def _consumed(run_dir: Path, rank: int) -> dict[int, list[list[int]]]:
+    """attempt -> the ids of each micro-batch this rank trained on, in order."""
+    attempts: dict[int, list[list[int]]] = {}
+    for line in (run_dir / "consumed" / f"rank_{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        attempts.setdefault(record["attempt"], []).append(record["ids"])
+    return attempts
+
+
+def test_each_sample_is_consumed_exactly_as_uninterrupted_across_epochs(tmp_path: Path) -> None:
+    reference = _train(tmp_path, "reference")
+    faulty = _train(tmp_path, "killed", fault="rank=1,step=6,kind=sigkill")  # after the checkpoint of step 4
+
+    ref = {rank: _consumed(reference, rank) for rank in (0, 1)}
+    assert all(list(ref[rank]) == [0] and len(ref[rank][0]) == 12 for rank in (0, 1))
+    for epoch in range(2):  # each full epoch: every sample once over both ranks
+        steps = range(5 * epoch, 5 * epoch + 5)
+        ids = sorted(i for rank in (0, 1) for step in steps for i in ref[rank][0][step])
+        assert ids == list(range(40)), f"epoch {epoch}"
+    assert ref[0][0][:5] != ref[0][0][5:10]  # and the order is reshuffled between epochs
+
+    for rank in (0, 1):
+        got = _consumed(faulty, rank)
+        assert sorted(got) == [0, 1], "expected exactly one restart"
+        before, after = got[0], got[1]
+        assert len(before) >= 6 and before == ref[rank][0][: len(before)]  # the first attempt, until the kill
+        assert after == ref[rank][0][4:]  # resumed at step 4: the same batches, through the epoch boundaries

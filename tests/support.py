@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from trainmesh.config import Config, dump_toml
@@ -14,6 +15,7 @@ from trainmesh.config.validate import load_config
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import IGNORE_INDEX
+from trainmesh.train.loop import TrainResult
 from trainmesh.worker import run_worker
 
 NANO = [
@@ -70,10 +72,19 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
     """Rank function for `run_distributed`: train the nano GPT and return weights and losses."""
     config = nano_config(Path(root), *overrides)
     recipe: Recipe | None = PaddedGPTRecipe() if padded else None
-    result = run_worker(config, Path(root) / "runs" / config.run.name, recipe=recipe)
+    params: dict[str, torch.Tensor] = {}
+    sharded: list[str] = []
+
+    def gather(result: TrainResult) -> None:  # while the group exists: fsdp parameters are shards
+        state = result.model.state_dict()
+        sharded.extend(k for k, v in state.items() if isinstance(v, DTensor) and v.to_local().numel() < v.numel())
+        params.update({k: _full(v).detach().cpu().clone() for k, v in state.items()})
+
+    result = run_worker(config, Path(root) / "runs" / config.run.name, recipe=recipe, before_teardown=gather)
     return {
         "rank": rank,
-        "params": {k: v.detach().cpu().clone() for k, v in result.model.state_dict().items()},
+        "params": params,
+        "sharded": sharded,  # names of parameters this rank held only a part of
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
     }
@@ -84,6 +95,11 @@ def nano_toml(root: Path) -> Path:
     path = root / "nano.toml"
     path.write_text(dump_toml(config_to_dict(nano_config(root))))
     return path
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A sharded (fsdp) parameter gathered whole; collective, so every rank calls it in the same order."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def descendants(pid: int) -> list[int]:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -24,7 +25,7 @@ from trainmesh.runtime.dist import store_client
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies import DDPOptions
+from trainmesh.strategies import BlockOptions, DDPOptions, FSDPOptions, MeshShape
 from trainmesh.train.loop import TrainResult, train
 from trainmesh.train.preemption import EXIT_PREEMPTED, PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog
@@ -33,6 +34,8 @@ log = get_logger(__name__)
 
 
 def build_runtime(config: Config) -> Runtime:
+    par, world = config.parallel, DistEnv.from_environ().world_size
+    mesh = MeshShape.resolve(world, par.dp_replicate, par.dp_shard) if par.strategy == "fsdp" else None
     return Runtime(
         strategy=config.parallel.strategy,
         precision=config.train.precision,
@@ -42,14 +45,24 @@ def build_runtime(config: Config) -> Runtime:
         init_timeout_s=config.dist.init_timeout_s,
         debug=config.dist.debug,
         ddp=DDPOptions(**config_to_dict(config.parallel.ddp)),
+        fsdp=FSDPOptions(**config_to_dict(config.parallel.fsdp)),
+        blocks=BlockOptions(config.parallel.activation_checkpointing, config.train.compile),
+        mesh=mesh,
         deterministic=config.run.deterministic,
     )
 
 
-def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | None = None) -> TrainResult:
+def run_worker(
+    config: Config,
+    run_dir: Path | None = None,
+    recipe: Recipe | None = None,
+    before_teardown: Callable[[TrainResult], None] | None = None,
+) -> TrainResult:
     """Train `config` in this process as one rank of the job described by the environment.
 
     `recipe` defaults to the built-in named by run.recipe; pass your own `Recipe` subclass to train it.
+    `before_teardown` runs on every rank while the process group still exists, e.g. to gather a
+    sharded (fsdp) model's full weights with DTensor.full_tensor().
     """
     validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -71,6 +84,8 @@ def run_worker(config: Config, run_dir: Path | None = None, recipe: Recipe | Non
             result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption, watchdog)
         if runtime.is_main_process:
             _report(result, run_dir)
+        if before_teardown is not None:
+            before_teardown(result)
     except BaseException as e:
         # Report at once, on every rank: peers may fail next, and torchrun then stops this process too.
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):

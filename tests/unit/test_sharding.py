@@ -66,6 +66,8 @@ def test_eval_slice_is_the_same_at_every_world_size() -> None:
         shares = [eval_micro_batches(50, 22, 4, r, dp) for r in range(dp)]
         ids = [i for share in shares for batch in share for i in batch]
         assert sorted(ids) == list(range(22)) and len(ids) == len(set(ids))
+        assert len({len(share) for share in shares}) == 1  # the same number of forwards on every rank
+    assert eval_micro_batches(50, 22, 4, 3, 4) == [[12, 13, 14, 15], []]  # 6 micro-batches over 4 ranks: padded
     assert [len(b) for b in eval_micro_batches(50, 22, 4, 0, 1)] == [4, 4, 4, 4, 4, 2]
     assert sum(len(b) for b in eval_micro_batches(5, 22, 4, 0, 1)) == 5  # fewer exist: all of them
     with pytest.raises(DatasetTooSmallError, match="validation set is empty"):

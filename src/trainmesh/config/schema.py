@@ -90,14 +90,36 @@ class DDPConfig:
 
 
 @dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (full shard, ZeRO-3); false: keep them for backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory; the optimizer steps on the CPU."""
+    prefetch: int = 1
+    """All-gather the next N blocks' parameters ahead, in forward and backward (0: FSDP's default)."""
+
+    def __post_init__(self) -> None:
+        _at_least("parallel.fsdp.prefetch", self.prefetch, 0)
+
+
+@dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """auto (ddp with several processes, else single) | single | dp | ddp."""
+    """auto (ddp with several processes, else single) | single | dp | ddp | fsdp (sharded, FSDP2)."""
+    dp_replicate: int = 1
+    """fsdp: model replicas (hybrid sharding: shard within a replica, all-reduce across); -1: infer."""
+    dp_shard: int = -1
+    """fsdp: ranks each replica is sharded over; -1: world size / dp_replicate."""
+    activation_checkpointing: int = 0
+    """Recompute every Nth block's activations in backward instead of storing them (1: all; 0: none)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel options."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Fully sharded data parallel options."""
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, STRATEGIES)
+        _at_least("parallel.activation_checkpointing", self.activation_checkpointing, 0)
 
 
 @dataclass
@@ -115,7 +137,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     compile: bool = False
-    """Compile the model with torch.compile."""
+    """torch.compile each block of the model (the whole model when it has no blocks)."""
     nonfinite: str = "abort"
     """A NaN/inf gradient: abort (before the optimizer step, naming step and ranks) | skip (all ranks skip the step)."""
     max_skipped_steps: int = 5

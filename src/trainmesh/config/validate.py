@@ -7,7 +7,7 @@ from pathlib import Path
 from trainmesh.config.loader import ConfigError, build_config, load_toml, merge_overrides
 from trainmesh.config.schema import Config
 from trainmesh.recipes import get_recipe
-from trainmesh.strategies import resolve_strategy_name
+from trainmesh.strategies import DISTRIBUTED, MeshShape, resolve_strategy_name
 from trainmesh.train.batch import BatchMathError, BatchPlan
 
 
@@ -36,11 +36,20 @@ def load_config(path: str | Path | None, overrides: list[str], recipe: str | Non
 
 def validate(config: Config, world_size: int) -> BatchPlan:
     """Cross-section checks for a given world size; returns the batch plan they imply."""
+    par = config.parallel
     try:
-        strategy = resolve_strategy_name(config.parallel.strategy, world_size)
+        strategy = resolve_strategy_name(par.strategy, world_size)
+        if strategy == "fsdp":
+            MeshShape.resolve(world_size, par.dp_replicate, par.dp_shard)
+        elif (par.dp_replicate, par.dp_shard) != (1, -1):
+            raise ConfigError(
+                f"parallel.dp_replicate={par.dp_replicate} / parallel.dp_shard={par.dp_shard} shape fsdp's mesh, "
+                f"but parallel.strategy resolves to {strategy!r}. Fix: --parallel.strategy=fsdp, or leave them "
+                "at 1 / -1."
+            )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    dp_size = world_size if strategy == "ddp" else 1
+    dp_size = world_size if strategy in DISTRIBUTED else 1
     recipe = get_recipe(config.run.recipe)
     try:
         return BatchPlan.derive(config.train, dp_size, recipe.tokens_per_sample(config.model))

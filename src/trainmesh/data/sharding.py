@@ -10,6 +10,7 @@ the basis of exact resume, also onto a different number of ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -92,10 +93,13 @@ def eval_micro_batches(
 ) -> list[list[int]]:
     """This rank's share of a fixed validation slice: samples 0..eval_samples-1 (all, if fewer exist)
     cut into micro-batches dealt round-robin to the ranks. The slice does not depend on the number of
-    ranks, so validation losses compare across world sizes; ranks may get unequal shares."""
+    ranks, so validation losses compare across world sizes. Every rank gets as many entries as the
+    busiest: a short share is padded with empty ones, each meaning "run a throwaway forward", since a
+    sharded model's forward is collective and every rank must run the same number."""
     if num_samples < 1:
         raise DatasetTooSmallError(
             "the validation set is empty. Fix: a larger data.val_fraction or corpus, or a smaller model.block_size."
         )
     chunks = torch.arange(min(eval_samples, num_samples)).split(micro_batch)
-    return [chunk.tolist() for chunk in chunks[dp_rank::dp_size]]
+    mine: list[list[int]] = [chunk.tolist() for chunk in chunks[dp_rank::dp_size]]
+    return mine + [[] for _ in range(math.ceil(len(chunks) / dp_size) - len(mine))]

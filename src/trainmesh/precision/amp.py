@@ -35,6 +35,10 @@ class MixedPrecision(Precision):
     def compute_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def gather_dtype(self) -> torch.dtype | None:
+        return self.dtype
+
 
 class ScaledMixedPrecision(MixedPrecision):
     """`16-mixed`: autocast to float16 with dynamic loss scaling."""

@@ -49,6 +49,11 @@ class Precision(ABC):
         del state
 
     @property
+    def gather_dtype(self) -> torch.dtype | None:
+        """The dtype sharded parameters are gathered in for compute (FSDP); None: as stored."""
+        return None
+
+    @property
     @abstractmethod
     def compute_dtype(self) -> torch.dtype:
         """The dtype matrix multiplies run in (used for MFU peaks and reporting)."""

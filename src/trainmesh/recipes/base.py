@@ -59,12 +59,19 @@ class Recipe(ABC):
         divides each by the target count. One hook, so a classifier runs one forward for all of them."""
         return {"loss": self.loss_sum(module, batch)}
 
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        """The model's repeated units (transformer layers, residual blocks), checkpointed, compiled and
+        sharded one by one; None: the modules held in its nn.ModuleLists."""
+        del model
+        return None
+
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token (or sample) for MFU; 0 when unknown."""
         del model
         return 0.0
 
     def on_train_end(self, model: nn.Module, config: Config, runtime: Runtime) -> str:
-        """Something to show the user at the end (e.g. generated text); runs on rank 0 only."""
+        """Something to show the user at the end (e.g. generated text). Runs on every rank, since a
+        sharded model's forward is collective; rank 0's result is shown. Keep it deterministic."""
         del model, config, runtime
         return ""

@@ -34,7 +34,17 @@ from trainmesh.runtime.dist import (
 )
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging
-from trainmesh.strategies import DDPOptions, LossFn, Strategy, build_strategy, resolve_strategy_name
+from trainmesh.strategies import (
+    DISTRIBUTED,
+    BlockOptions,
+    DDPOptions,
+    FSDPOptions,
+    LossFn,
+    MeshShape,
+    Strategy,
+    build_strategy,
+    resolve_strategy_name,
+)
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min"]
@@ -73,6 +83,9 @@ class Runtime:
         init_timeout_s: float = 300.0,
         debug: str = "off",
         ddp: DDPOptions | None = None,
+        fsdp: FSDPOptions | None = None,
+        blocks: BlockOptions | None = None,
+        mesh: MeshShape | None = None,
         deterministic: bool = False,
         env: DistEnv | None = None,
     ) -> None:
@@ -87,11 +100,13 @@ class Runtime:
             self.backend,
             self.device,
             timeout_s,
-            required=strategy_name == "ddp",
+            required=strategy_name in DISTRIBUTED,
             init_timeout_s=init_timeout_s,
             debug=debug,
         )
-        self.strategy: Strategy = build_strategy(strategy_name, self.env, self.device, ddp)
+        self.strategy: Strategy = build_strategy(
+            strategy_name, self.env, self.device, ddp, fsdp, blocks, mesh, self.precision.gather_dtype
+        )
         set_deterministic(deterministic)
         if seed is not None:
             seed_everything(seed)
@@ -127,19 +142,33 @@ class Runtime:
 
     # -- model and data ----------------------------------------------------------------------------
     @overload
-    def setup(self, model: nn.Module) -> nn.Module: ...
+    def setup(self, model: nn.Module, *, blocks: list[nn.Module] | None = None) -> nn.Module: ...
 
     @overload
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, blocks: list[nn.Module] | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        blocks: list[nn.Module] | None = None,
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-        """Cast for the precision, place and wrap for the strategy.
+        """Cast for the precision, place and wrap for the strategy. `blocks`: the model's repeated units
+        (checkpointed, compiled and sharded one by one; default: the modules in its nn.ModuleLists).
 
-        Parameters are moved in place, so an optimizer built before or after `setup` both work.
+        Parameters are moved in place, so an optimizer built before or after `setup` both work, except
+        with fsdp, which replaces them by shards: build the optimizer after `setup` there.
         """
-        wrapped = self.strategy.setup_module(self.precision.convert_module(model))
+        if optimizer is not None and self.strategy.collective_forward:
+            raise ValueError(
+                f"parallel.strategy={self.strategy.name!r} replaces the parameters by shards, so an optimizer "
+                "built before setup() would update stale tensors. Fix: model = rt.setup(model), then build "
+                "the optimizer from model.parameters()."
+            )
+        wrapped = self.strategy.setup_module(self.precision.convert_module(model), blocks)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

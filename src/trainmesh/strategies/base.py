@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainmesh.precision import Precision
 from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies.blocks import BlockOptions, find_blocks, transform_blocks
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -26,10 +27,14 @@ class Strategy(ABC):
     """One way of placing a model on devices and keeping its replicas or shards consistent."""
 
     name: str
+    collective_forward = False
+    """Whether a forward pass communicates (sharded parameters): then every rank must run the same
+    number of forwards, e.g. in evaluation, and none may run one alone."""
 
-    def __init__(self, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, env: DistEnv, device: torch.device, blocks: BlockOptions | None = None) -> None:
         self.env = env
         self.device = device
+        self.block_options = blocks or BlockOptions()
 
     # -- data-parallel geometry: which slice of each global batch this process reads ----------------
     @property
@@ -47,9 +52,16 @@ class Strategy(ABC):
         return 1
 
     # -- model --------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
+        """Transform the model's blocks (strategies/blocks.py), then place and wrap it; returns the
+        module to train. `blocks`: the model's repeated units (default: those in nn.ModuleLists)."""
+        blocks = find_blocks(module) if blocks is None else blocks
+        transform_blocks(module, blocks, self.block_options)
+        return self.wrap(module, blocks)
+
     @abstractmethod
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move the model to its device(s) and wrap it; returns the module to train."""
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        """Move the model to its device(s) and wrap it for this strategy."""
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module inside any wrapper (for sampling, export, parameter counts)."""

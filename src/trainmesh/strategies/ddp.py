@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.blocks import BlockOptions
 
 COMM_HOOKS = ("none", "fp16", "bf16")
 
@@ -38,8 +39,10 @@ class DDPOptions:
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, env: DistEnv, device: torch.device, options: DDPOptions) -> None:
-        super().__init__(env, device)
+    def __init__(
+        self, env: DistEnv, device: torch.device, options: DDPOptions, blocks: BlockOptions | None = None
+    ) -> None:
+        super().__init__(env, device, blocks)
         if options.comm_hook not in COMM_HOOKS:
             raise ValueError(f"parallel.ddp.comm_hook={options.comm_hook!r} is not one of {COMM_HOOKS}")
         if options.comm_hook == "bf16" and device.type != "cuda":
@@ -57,7 +60,8 @@ class DDPStrategy(Strategy):
     def dp_rank(self) -> int:
         return self.env.rank
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        del blocks
         module = module.to(self.device)
         opts = self.options
         buffer_sync: Any = _buffer_sync_kwarg(opts.sync_buffers)

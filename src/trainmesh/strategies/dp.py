@@ -13,12 +13,13 @@ from torch import nn
 
 from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.blocks import BlockOptions
 
 
 class DataParallelStrategy(Strategy):
     name = "dp"
 
-    def __init__(self, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, env: DistEnv, device: torch.device, blocks: BlockOptions | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(
                 f"parallel.strategy='dp' (nn.DataParallel) needs CUDA GPUs, but the device is {device}. "
@@ -30,14 +31,15 @@ class DataParallelStrategy(Strategy):
                 f"parallel.strategy='dp' drives all local GPUs from ONE process, but {env.world_size} "
                 "processes were launched. Fix: --nproc-per-node 1 with dp, or use --parallel.strategy=ddp."
             )
-        super().__init__(env, device)
+        super().__init__(env, device, blocks)
         self.device_ids = list(range(torch.cuda.device_count()))
 
     @property
     def devices_per_process(self) -> int:
         return len(self.device_ids)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        del blocks
         module = module.to(self.device)
         if len(self.device_ids) < 2:
             return module  # DataParallel over one GPU only adds overhead

@@ -10,5 +10,6 @@ from trainmesh.strategies.base import Strategy
 class SingleDeviceStrategy(Strategy):
     name = "single"
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        del blocks
         return module.to(self.device)

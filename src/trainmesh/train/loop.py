@@ -82,10 +82,8 @@ def train(
     seed_everything(config.run.seed)
     raw_model = recipe.build_model(config)
     flops_per_token = recipe.flops_per_token(raw_model)
-    model = runtime.setup(raw_model)
-    optimizer = build_optimizer(raw_model, config.optim, runtime.device)
-    if tcfg.compile:
-        model = torch.compile(model)  # type: ignore[assignment]
+    model = runtime.setup(raw_model, blocks=recipe.blocks(raw_model))  # compiled per block with train.compile
+    optimizer = build_optimizer(raw_model, config.optim, runtime.device)  # after setup: fsdp shards parameters
     seed_everything(config.run.seed + 1 + runtime.rank)
 
     state = TrainerState(world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
@@ -236,8 +234,9 @@ def train(
         if ckpt.final and state.step > start_step:  # the same decision on every rank
             checkpoint = save()
         watchdog.beat(state.step)  # the final evaluation and save were progress too
-        # The raw module shares the trained parameters and sits outside any DDP or torch.compile wrapper.
-        sample = recipe.on_train_end(raw_model, config, runtime) if runtime.is_main_process else ""
+        # The raw module shares the trained parameters and sits outside any DDP wrapper. Every rank runs
+        # it (a sharded model's forward is collective); rank 0's result is the one reported.
+        sample = recipe.on_train_end(raw_model, config, runtime)
     checkpointer.close()  # an async save in flight is committed, and durable, before we return
     if writer:
         writer.close()
@@ -273,12 +272,13 @@ def _evaluate(
     names = ("loss", *recipe.eval_metrics)  # declared up front: a rank may have no batches at all
     totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=runtime.device)  # (*sums, targets)
     for ids in micro_batches:
-        batch = default_collate([val_set[i] for i in ids])
-        totals[-1] += recipe.count_targets(batch)
+        batch = default_collate([val_set[i] for i in ids or [0]])  # []: a throwaway forward (padding)
         with runtime.autocast():
             sums = recipe.eval_sums(model, runtime.to_device(batch))
-        for i, name in enumerate(names):
-            totals[i] += sums[name].double()
+        if ids:
+            totals[-1] += recipe.count_targets(batch)
+            for i, name in enumerate(names):
+                totals[i] += sums[name].double()
     model.train()
     *reduced, targets = runtime.all_reduce(totals, "sum").tolist()  # one all-reduce for every metric
     loss, *extra = (float(s / targets) for s in reduced)

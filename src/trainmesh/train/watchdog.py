@@ -10,17 +10,20 @@ and checkpoints), which only records two numbers. Every `interval` seconds the t
     still writes its stack and exits.
 When the thread sees no beat for `timeout_s`, it writes every thread's stack to
 `<run>/stalls/attempt_<n>/rank_<r>.txt`; the first rank there writes `report.txt`, naming the ranks that
-did not arrive; and the process exits with `EXIT_STALLED`. torchrun then stops the remaining workers
-(SIGTERM, then SIGKILL after 30 s, which a SIGSTOPped rank needs) and restarts the group, which resumes
-from the newest checkpoint.
+did not arrive, and SIGKILLs the silent ones on its own host (a stopped process, or one holding the GIL,
+would otherwise sit out torchrun's 30 s grace for SIGTERM); and the process exits with `EXIT_STALLED`.
+torchrun then stops the remaining workers and restarts the group, which resumes from the newest
+checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -79,6 +82,10 @@ class StallWatchdog:
         return cls(Path("."), 0, 0, 1, None)
 
     def beat(self, step: int) -> None:
+        if self._last_beat is None and self._stacks is not None:
+            # The first beat arms faulthandler's timer (the thread re-arms it from then on), so that a
+            # rank that holds the GIL before the thread's next tick is still dumped.
+            faulthandler.dump_traceback_later(self.timeout_s + self.grace, file=self._stacks, exit=True)
         self._step, self._last_beat = step, time.monotonic()
 
     def __enter__(self) -> StallWatchdog:
@@ -110,10 +117,10 @@ class StallWatchdog:
         armed_for: float | None = None
         while not self._stop.wait(self.interval):
             last = self._last_beat
+            idle = 0.0 if last is None else time.monotonic() - last
+            self._publish(idle)  # from the start, so that peers know this rank's pid and host
             if last is None:
                 continue
-            idle = time.monotonic() - last
-            self._publish(idle)
             if idle > self.timeout_s:
                 self._stalled(idle)
             if armed_for != last:  # progress since the timer was armed: arm it anew from that beat
@@ -142,12 +149,14 @@ class StallWatchdog:
         self._stacks.flush()
         try:
             if self.store is None or self.store.add("reporters", 1) == 1:  # the first rank here reports
-                report = self.report(idle)
+                beats = self._heartbeats()
+                report = self.report(idle, beats)
                 (self.dir / "report.txt").write_text(report + "\n")
                 log.error("%s", report)
+                self._await_peer_dumps()
+                self._kill_silent_neighbours(beats)
             else:
                 log.error("rank %d: no step for %.1f s; stacks in %s", self.rank, idle, self.dir)
-            if self.store is not None:
                 self._await_peer_dumps()
         except (RuntimeError, OSError) as e:  # whatever fails here, the process must still leave
             log.error("rank %d: stalled, and the stall report failed: %s", self.rank, e)
@@ -156,18 +165,33 @@ class StallWatchdog:
         os._exit(EXIT_STALLED)
 
     def _await_peer_dumps(self) -> None:
-        """Leave only once the ranks that can still run have written their stacks (torchrun stops
-        everybody as soon as one worker exits), but never wait long for ranks that cannot."""
-        assert self.store is not None
+        """Leave only once the other ranks have written their stacks (torchrun stops everybody as soon
+        as one worker exits), or after the grace in which faulthandler's timer dumps a rank that holds
+        the GIL; never longer."""
+        if self.store is None:
+            return
         dumped = self.store.add("dumped", 1)
-        deadline = time.monotonic() + 2 * self.interval + 1.0
+        deadline = time.monotonic() + self.grace + 1.0
         while dumped < self.world_size and time.monotonic() < deadline:
             time.sleep(self.interval / 2)
             dumped = self.store.add("dumped", 0)
 
-    def report(self, idle: float) -> str:
+    def _is_silent(self, beat: Heartbeat) -> bool:
+        """No heartbeat for a while: the process runs no Python at all (stopped, or the GIL is held)."""
+        return time.time() - beat.published > max(3 * self.interval, 1.0)
+
+    def _kill_silent_neighbours(self, beats: dict[int, Heartbeat]) -> None:
+        """SIGKILL silent ranks on this host. torchrun would too, but only after its 30 s grace for
+        SIGTERM, which a stopped process or one holding the GIL never acts on."""
+        host = socket.gethostname()
+        for rank, beat in beats.items():
+            if beat.host == host and beat.pid != os.getpid() and self._is_silent(beat):
+                log.error("rank %d (pid %d) is silent: killing it so that the group can restart", rank, beat.pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(beat.pid, signal.SIGKILL)
+
+    def report(self, idle: float, beats: dict[int, Heartbeat]) -> str:
         """What every rank was doing, and which ranks did not arrive."""
-        beats = self._heartbeats()
         newest = max((b.step for b in beats.values()), default=self._step)
         now = time.time()
         lines = [
@@ -181,12 +205,12 @@ class StallWatchdog:
                 lines.append(f"  rank {rank}: no heartbeat at all")
                 missing.append(rank)
                 continue
-            silent = now - beat.published
             state = f"step {beat.step}, {beat.host} pid {beat.pid}"
-            if silent > max(3 * self.interval, 1.0):
+            if self._is_silent(beat):
+                silent = now - beat.published
                 lines.append(
-                    f"  rank {rank}: {state}: SILENT for {silent:.1f} s: stopped (e.g. SIGSTOP), or stuck "
-                    f"in a call that holds the GIL; last seen at {beat.where}"
+                    f"  rank {rank}: {state}: SILENT for {silent:.1f} s: stopped (e.g. SIGSTOP), or stuck in a "
+                    f"call that holds the GIL; last seen at {beat.where}"
                 )
                 missing.append(rank)
             elif beat.step < newest or not beat.waiting:

@@ -119,6 +119,12 @@ class ResNetRecipe(Recipe):
             "top1": (logits.argmax(dim=1) == y).sum(),
         }
 
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        """The residual blocks of every stage."""
+        if not isinstance(model, ResNet):
+            return None
+        return [block for stage in model.stages.children() for block in stage.children()]
+
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per sample: 3 × the forward's (backward ≈ 2 × forward), 2 FLOPs per MAC."""
         if not isinstance(model, ResNet):

@@ -1,0 +1,55 @@
+"""Per-block model transforms, in a fixed order: activation checkpointing, then torch.compile (then a
+sharding strategy wraps each block).
+
+A block is one repeated unit of the model (a transformer layer, a residual stage). The recipe names
+them (`Recipe.blocks`); by default they are the modules held in `nn.ModuleList`s. Both transforms
+change a block in place and keep its parameter names, so checkpoints load across settings.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class BlockOptions:
+    activation_checkpointing: int = 0
+    """Recompute every k-th block's activations in backward instead of storing them (1: all; 0: none)."""
+    compile: bool = False
+    """torch.compile each block (its own graph, so sharding can overlap between blocks)."""
+
+
+def find_blocks(module: nn.Module) -> list[nn.Module]:
+    """The modules inside the outermost `nn.ModuleList`s of `module`, in order."""
+    blocks: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, nn.ModuleList):
+            blocks.extend(child)
+        else:
+            blocks.extend(find_blocks(child))
+    return blocks
+
+
+def transform_blocks(module: nn.Module, blocks: list[nn.Module], options: BlockOptions) -> None:
+    """Apply `options` to each block in place; compile `module` whole when it has no blocks."""
+    every = options.activation_checkpointing
+    for i, block in enumerate(blocks):
+        if every > 0 and i % every == 0:
+            checkpoint_activations(block)
+        if options.compile:
+            block.compile()
+    if options.compile and not blocks:
+        module.compile()
+
+
+def checkpoint_activations(block: nn.Module) -> None:
+    """Make `block` keep only its inputs in forward and recompute the rest in backward.
+
+    Done by replacing the instance's forward, not by wrapping it in another module, so parameter
+    names stay the same. The RNG state is restored for the recomputation, so dropout masks match.
+    """
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

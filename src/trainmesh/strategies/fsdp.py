@@ -1,0 +1,118 @@
+"""`fsdp`: fully sharded data parallel (FSDP2, `fully_shard`) — ZeRO-3 style, or ZeRO-2 style, or hybrid.
+
+Each block (the recipe's `blocks`, by default every module inside an `nn.ModuleList`) and then the
+root module become one FSDP unit: parameters, gradients and optimizer state are sharded over the
+`dp_shard` ranks, so each holds 1/dp_shard of them. A unit's parameters are all-gathered just before
+its forward (and again before its backward) and its gradients reduce-scattered right after its
+backward, overlapping the neighbouring units' compute.
+
+    reshard_after_forward = true    free the gathered parameters after forward (full shard, ZeRO-3)
+                          = false   keep them until backward (shard-grad-op, ZeRO-2: less traffic)
+    dp_replicate > 1                hybrid: shard within groups of dp_shard ranks, replicate across
+                                    groups (all-reduce between replicas)
+    cpu_offload = true              parameters, gradients and optimizer state live in CPU memory;
+                                    the optimizer steps on the CPU
+    prefetch = k                    all-gather the next k blocks' parameters ahead (forward and backward)
+
+The order of the block transforms is fixed: activation checkpointing, then torch.compile, then
+sharding (each block, then the root), as torchtitan does; see strategies/blocks.py. Mixed precision
+comes from the Precision seam: parameters are gathered in its compute dtype and gradients reduced in
+fp32. Gradient accumulation without synchronisation (`no_sync`) keeps unsharded gradients until the
+last micro-step. Gradient clipping computes the norm over all shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.blocks import BlockOptions
+
+
+@dataclass
+class FSDPOptions:
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    prefetch: int = 1
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    collective_forward = True
+
+    def __init__(
+        self,
+        env: DistEnv,
+        device: torch.device,
+        mesh: DeviceMesh,
+        options: FSDPOptions,
+        param_dtype: torch.dtype | None = None,
+        blocks: BlockOptions | None = None,
+    ) -> None:
+        super().__init__(env, device, blocks)
+        self.mesh, self.options, self.param_dtype = mesh, options, param_dtype
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        coords = self.mesh.get_coordinate()
+        assert coords is not None, "this rank is not in the mesh"
+        # Row-major over (dp_replicate, dp_shard): the data-parallel index of this rank.
+        index = 0
+        for coord, size in zip(coords, self.mesh.shape, strict=True):
+            index = index * size + coord
+        return index
+
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        if not self.options.cpu_offload:
+            module = module.to(self.device)
+        kwargs: dict[str, Any] = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.options.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32),
+        }
+        if self.options.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        units = [fully_shard(block, **kwargs) for block in blocks]
+        fully_shard(module, **kwargs)  # in place: the module itself is now the root FSDP unit
+        self._set_prefetch(units)
+        return module
+
+    def _set_prefetch(self, units: list[FSDPModule]) -> None:
+        k = self.options.prefetch
+        if k <= 0 or len(units) < 2:
+            return  # FSDP's own default: the next unit's all-gather is issued when this one's forward starts
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
+            unit.set_modules_to_backward_prefetch(list(reversed(units[max(0, i - k) : i])))
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module  # fully_shard changes the module in place; it is the user's module
+
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
+        if not (enabled and isinstance(module, FSDPModule)):
+            yield
+            return
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm(module, max_norm)  # the norm of all shards together
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

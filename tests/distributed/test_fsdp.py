@@ -1,0 +1,93 @@
+"""FSDP (FSDP2 `fully_shard`) equals one process: full shard, shard-grad-op, hybrid sharding, CPU
+offload and gradient accumulation reach the parameters of a single process with the same global batch
+after several AdamW steps (fp32); activation checkpointing changes nothing; and checkpoints move
+between fsdp, ddp and a single process (DCP reshards)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import train_rank
+from trainmesh.testing import run_distributed
+
+pytestmark = pytest.mark.slow
+
+# As in test_parity: a different reduction order (reduce-scatter vs one batched sum) changes rounding,
+# which Adam amplifies a little over 4 steps.
+ATOL, RTOL = 2e-5, 1e-4
+BATCH = ["--train.global_batch=8", "--model.dropout=0.0"]
+FSDP = "--parallel.strategy=fsdp"
+AC = "parallel.activation_checkpointing"
+
+SETUPS = {
+    "fsdp full shard, 2 ranks": (2, [FSDP, "--train.micro_batch=4"]),
+    "fsdp shard-grad-op (ZeRO-2), 2 ranks": (
+        2,
+        [FSDP, "--train.micro_batch=4", "--parallel.fsdp.reshard_after_forward=false"],
+    ),
+    "fsdp b/2 × 2 accumulation (no_sync)": (2, [FSDP, "--train.micro_batch=2"]),
+    "fsdp cpu offload, 2 ranks": (2, [FSDP, "--train.micro_batch=4", "--parallel.fsdp.cpu_offload=true"]),
+    "fsdp hybrid 2 × 2, 4 ranks": (4, [FSDP, "--train.micro_batch=2", "--parallel.dp_replicate=2"]),
+    "fsdp no prefetch, every block recomputed": (
+        2,
+        [FSDP, "--train.micro_batch=4", "--parallel.fsdp.prefetch=0", "--parallel.activation_checkpointing=1"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("fsdp-ref")
+    overrides = [*BATCH, "--train.micro_batch=8", "--parallel.strategy=single", "--run.name=ref"]
+    (result,) = run_distributed(train_rank, 1, args=(str(root), overrides))
+    return result["params"]
+
+
+def _assert_close(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], what: str) -> None:
+    assert params.keys() == reference.keys(), what
+    for key, ref in reference.items():
+        torch.testing.assert_close(params[key], ref, atol=ATOL, rtol=RTOL, msg=f"{what}: {key}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_fsdp_equals_one_process(name: str, reference: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    world, overrides = SETUPS[name]
+    results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.name=f"]))
+    for result in results:  # every rank gathers the same full parameters
+        _assert_close(result["params"], reference, name)
+        assert "blocks.0.attn.qkv.weight" in result["sharded"] and "wte.weight" in result["sharded"]
+
+
+def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:
+    """Recomputation replays the same dropout masks (the RNG state is restored): bit-identical."""
+    base = ["--train.micro_batch=4", "--train.global_batch=8", "--model.dropout=0.2"]
+    plain, recomputed = (
+        run_distributed(train_rank, 1, args=(str(tmp_path), [*base, f"--run.name=ac{k}", f"--{AC}={k}"]))[0]
+        for k in (0, 1)
+    )
+    for key, value in plain["params"].items():
+        assert torch.equal(recomputed["params"][key], value), key
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path: Path) -> None:
+    """fsdp (2 ranks) saves at step 2 -> one process resumes; ddp saves -> fsdp resumes: each
+    continuation matches the uninterrupted fsdp / ddp run."""
+    steps = ["--train.max_steps=4", "--checkpoint.every=2", "--train.micro_batch=4", *BATCH]
+    fsdp_full = run_distributed(train_rank, 2, args=(str(tmp_path), [*steps, FSDP, "--run.name=fsdp-full"]))[0]
+    first = [*steps[1:], FSDP, "--run.name=fsdp-then-single", "--train.max_steps=2"]
+    run_distributed(train_rank, 2, args=(str(tmp_path), first))
+    resumed = [*steps, "--run.name=fsdp-then-single", "--checkpoint.resume=true", "--train.micro_batch=8"]
+    single = run_distributed(train_rank, 1, args=(str(tmp_path), [*resumed, "--parallel.strategy=single"]))[0]
+    _assert_close(single["params"], fsdp_full["params"], "fsdp 2 ranks -> single")
+
+    ddp_full = run_distributed(train_rank, 2, args=(str(tmp_path), [*steps, "--run.name=ddp-full"]))[0]
+    first = [*steps[1:], "--run.name=ddp-then-fsdp", "--train.max_steps=2"]
+    run_distributed(train_rank, 2, args=(str(tmp_path), first))
+    then = [*steps, FSDP, "--run.name=ddp-then-fsdp", "--checkpoint.resume=true"]
+    fsdp = run_distributed(train_rank, 2, args=(str(tmp_path), then))[0]
+    _assert_close(fsdp["params"], ddp_full["params"], "ddp -> fsdp")

@@ -13,7 +13,7 @@ import torch
 
 from support import train_rank
 from trainmesh.checkpoint import list_checkpoints
-from trainmesh.testing import run_distributed
+from trainmesh.testing import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +49,16 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     resumed = run_distributed(train_rank, 1, args=(str(tmp_path), one))
     for key, value in full[0]["params"].items():
         torch.testing.assert_close(resumed[0]["params"][key], value, atol=2e-5, rtol=1e-4, msg=key)
+
+
+def test_a_model_that_does_not_match_the_checkpoint_is_refused_with_the_keys(tmp_path: Path) -> None:
+    """Resuming a 2-layer run's checkpoint with 3 layers and a wider embedding: every missing or
+    reshaped parameter is named, and nothing is loaded."""
+    first = ["--train.max_steps=2", "--checkpoint.final=true", "--run.name=mm"]
+    run_distributed(train_rank, 1, args=(str(tmp_path), first))
+    changed = [*first, "--train.max_steps=4", "--checkpoint.resume=true", "--model.n_layer=3", "--model.n_embd=48"]
+    with pytest.raises(DistributedTestError, match="holds a different model; nothing was loaded") as info:
+        run_distributed(train_rank, 1, args=(str(tmp_path), changed))
+    message = str(info.value)
+    assert "missing from the checkpoint: blocks.2." in message
+    assert "wte.weight: (256, 32) in the checkpoint, (256, 48) in the model" in message

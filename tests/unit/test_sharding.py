@@ -72,3 +72,16 @@ def test_eval_slice_is_the_same_at_every_world_size() -> None:
     assert sum(len(b) for b in eval_micro_batches(5, 22, 4, 0, 1)) == 5  # fewer exist: all of them
     with pytest.raises(DatasetTooSmallError, match="validation set is empty"):
         eval_micro_batches(0, 22, 4, 0, 2)
+
+
+def test_the_ragged_end_of_an_epoch_never_gives_ranks_unequal_work() -> None:
+    """42 samples, 8 per step: the last 2 of each epoch are dropped, so at every step, across epoch
+    boundaries, each rank gets the same number of equally sized micro-batches (no rank waits alone)."""
+    plan = _plan(micro=4, dp=2, global_batch=8)
+    samplers = [GlobalBatchSampler(42, plan, rank, seed=3) for rank in (0, 1)]
+    assert samplers[0].steps_per_epoch == 5
+    for step in range(12):  # into the third epoch
+        shapes = [[len(mb) for mb in sampler.micro_batches(step)] for sampler in samplers]
+        assert shapes == [[4], [4]], step
+    epoch_ids = [i for step in range(5) for sampler in samplers for mb in sampler.micro_batches(step) for i in mb]
+    assert len(set(epoch_ids)) == 40  # each used sample once per epoch

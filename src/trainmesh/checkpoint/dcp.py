@@ -27,7 +27,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainmesh.runtime.logging import get_logger
 
@@ -57,6 +59,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
     state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
+    _check_matches(path, model_state)
     loaded = {"model": model_state, "optim": optim_state}
     with single_process_quiet():
         dcp.load(loaded, checkpoint_id=str(path))
@@ -69,6 +72,36 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         log.warning("checkpoint from world size %d: RNG streams restart from the seed", state.world_size)
     log.info("resumed from %s (step %d)", path, state.step)
     return state
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds a different model (names or shapes); nothing was loaded."""
+
+
+def _check_matches(path: Path, model_state: dict[str, Any]) -> None:
+    """Compare parameter names and shapes with the checkpoint's metadata before loading anything."""
+    metadata = FileSystemReader(str(path)).read_metadata()  # verified against the manifest already
+    saved = {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
+    common = sorted(ours.keys() & saved.keys())
+    shapes = [f"{k}: {saved[k]} in the checkpoint, {ours[k]} in the model" for k in common if saved[k] != ours[k]]
+    if not (missing or unexpected or shapes):
+        return
+    problems = [
+        *([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []),
+        *([f"not in the model: {', '.join(unexpected)}"] if unexpected else []),
+        *([f"different shapes: {'; '.join(shapes)}"] if shapes else []),
+    ]
+    raise CheckpointMismatchError(
+        f"{path} holds a different model; nothing was loaded.\n  " + "\n  ".join(problems) + "\n"
+        "Fix: resume with the [model] settings of the run that saved it (its config.toml; "
+        "trainmesh ckpt inspect shows them), or start a new run (--run-id) instead of --resume."
+    )
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from support import train_rank
+from trainmesh.checkpoint import read_full_state
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -76,9 +77,13 @@ def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path: Path) -> None:
     """fsdp (2 ranks) saves at step 2 -> one process resumes; ddp saves -> fsdp resumes: each
-    continuation matches the uninterrupted fsdp / ddp run."""
+    continuation matches the uninterrupted fsdp / ddp run. A sharded checkpoint also reads back whole
+    in one process without a process group (what `trainmesh ckpt export` does)."""
     steps = ["--train.max_steps=4", "--checkpoint.every=2", "--train.micro_batch=4", *BATCH]
-    fsdp_full = run_distributed(train_rank, 2, args=(str(tmp_path), [*steps, FSDP, "--run.name=fsdp-full"]))[0]
+    full = [*steps, FSDP, "--run.name=fsdp-full", "--checkpoint.final=true"]
+    fsdp_full = run_distributed(train_rank, 2, args=(str(tmp_path), full))[0]
+    whole = read_full_state(tmp_path / "runs" / "fsdp-full" / "checkpoints" / "step_00000004")["model"]
+    assert all(torch.equal(whole[k], v) for k, v in fsdp_full["params"].items())
     first = [*steps[1:], FSDP, "--run.name=fsdp-then-single", "--train.max_steps=2"]
     run_distributed(train_rank, 2, args=(str(tmp_path), first))
     resumed = [*steps, "--run.name=fsdp-then-single", "--checkpoint.resume=true", "--train.micro_batch=8"]

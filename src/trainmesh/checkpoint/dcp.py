@@ -78,13 +78,19 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint holds a different model (names or shapes); nothing was loaded."""
 
 
+def saved_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
+    """Name -> shape, dtype of every tensor in a checkpoint ("model.*", "optim.*"), from DCP's metadata
+    (a pickle: call this only on a checkpoint verified against its manifest)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
 def _check_matches(path: Path, model_state: dict[str, Any]) -> None:
     """Compare parameter names and shapes with the checkpoint's metadata before loading anything."""
-    metadata = FileSystemReader(str(path)).read_metadata()  # verified against the manifest already
     saved = {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        for key, meta in saved_tensors(path).items()  # verified against the manifest already
+        if key.startswith("model.")
     }
     ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
     missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())

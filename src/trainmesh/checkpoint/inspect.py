@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from trainmesh.checkpoint.catalog import list_checkpoints
+from trainmesh.checkpoint.dcp import saved_tensors
 from trainmesh.checkpoint.manifest import Verdict, verify
 
 
@@ -42,8 +40,7 @@ def describe(ckpt: Path) -> str:
         "  versions: " + ", ".join(f"{k} {v}" for k, v in state["versions"].items()),
         f"  recipe {state['config']['run']['recipe']}, model {state['config']['model']}",
     ]
-    metadata = FileSystemReader(str(ckpt)).read_metadata()
-    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    tensors = saved_tensors(ckpt)
     total = 0
     for section in ("model", "optim"):
         names = sorted(k for k in tensors if k.startswith(section + "."))

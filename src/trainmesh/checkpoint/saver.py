@@ -94,8 +94,9 @@ class Checkpointer:
         rt.barrier()
         model_state, optim_state = rt.strategy.state_dicts(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
-        job = _Save(state.step, staging, final, asdict(state), rng_state(), tensors, None)
+        job = _Save(state.step, staging, final, asdict(state), rng_state(), None, None)
         if self._executor is None:
+            job.state_dict = tensors
             self._complete(job)
             return final
         with single_process_quiet():  # copies to CPU memory now; writes in DCP's thread
@@ -103,7 +104,6 @@ class Checkpointer:
                 tensors, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager
             )
             job.written = cast(Future, written)
-        job.state_dict = None
         self._pending = self._executor.submit(self._complete, job)
         return final
 

@@ -37,6 +37,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     g.add_argument("--rdzv-id", default=d(None), help="job id shared by all nodes (c10d rendezvous)")
     g.add_argument("--max-restarts", type=int, default=d(0), help="restarts of the worker group on failure")
     g.add_argument("--join-timeout", type=int, default=d(300), help="seconds the nodes may take to meet (default 300)")
+    g.add_argument("--rdzv-conf", default=d(None), help="more c10d rendezvous settings: KEY=VALUE[,...] (torchrun's)")
 
 
 def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -120,6 +121,7 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
         join_timeout_s=args.join_timeout,
+        rdzv_conf=args.rdzv_conf,
     )
 
 

@@ -8,9 +8,12 @@ been validated for the planned world size before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,6 +57,8 @@ class LaunchOptions:
     max_restarts: int = 0
     join_timeout_s: int = 300
     """How long the nodes may take to meet (rendezvous) before the launch fails."""
+    rdzv_conf: str | None = None
+    """More c10d rendezvous settings, KEY=VALUE[,KEY=VALUE] (torchrun's --rdzv-conf), e.g. last_call_timeout=5."""
 
     def nproc(self) -> int:
         if self.nproc_per_node == "auto":
@@ -114,10 +119,12 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
             f"--rdzv-id={opts.rendezvous_id()}",
-            f"--rdzv-conf=join_timeout={opts.join_timeout_s}",
+            f"--rdzv-conf={','.join([f'join_timeout={opts.join_timeout_s}', *_rdzv_conf(opts.rdzv_conf)])}",
         ]
         if is_loopback(host):
             argv.append("--local-addr=127.0.0.1")  # workers then meet on loopback too
+    elif opts.rdzv_conf:
+        raise LaunchError(f"--rdzv-conf={opts.rdzv_conf!r} needs --rdzv-endpoint HOST:PORT (c10d rendezvous)")
     elif opts.multi_node:
         if not opts.master_addr or not opts.master_port:
             raise LaunchError(
@@ -140,6 +147,18 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[s
     if module:
         argv.append("-m")
     return argv + entry
+
+
+def _rdzv_conf(conf: str | None) -> list[str]:
+    """--rdzv-conf's KEY=VALUE items, checked (join_timeout has a flag of its own)."""
+    items = [item.strip() for item in (conf or "").split(",") if item.strip()]
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise LaunchError(f"--rdzv-conf={conf!r}: expected KEY=VALUE[,KEY=VALUE] (e.g. last_call_timeout=5)")
+        if key == "join_timeout":
+            raise LaunchError(f"--rdzv-conf={conf!r}: set the join timeout with --join-timeout")
+    return items
 
 
 def check_resolvable(host: str, flag: str) -> None:
@@ -166,7 +185,8 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
     argv = torchrun_argv(opts, entry, module)
     log.info("torchrun %s", " ".join(argv))
     try:
-        torchrun.run(torchrun.parse_args(argv))
+        with _agent_environment(opts):
+            torchrun.run(torchrun.parse_args(argv))
     except (DistError, RendezvousError) as e:  # the nodes could not meet: say what to check
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
@@ -189,6 +209,28 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
                 log.error("rank %d then: %s", rank, _describe(failure.exitcode, failure.signal_name()))
         return 1
     return 0
+
+
+# With the c10d rendezvous, torch's agents by default share their store with the workers. Then a node
+# that joins a later round (a replacement) never starts: with torch 2.13 an agent that stays rank 0
+# across rounds publishes MASTER_ADDR/MASTER_PORT into the round's store only in its first round
+# (DynamicRendezvousHandler.next_rendezvous caches it), while the new node waits for them in the new
+# round's keys until the store times out. Not shared, rank 0 publishes them every round, and its worker
+# 0 hosts a new store for each round (runtime.dist.attempt_store).
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _agent_environment(opts: LaunchOptions) -> Iterator[None]:
+    """The environment torchrun's agent runs in (and passes on to the workers); a value already set wins."""
+    if not opts.rdzv_endpoint or NO_SHARED_STORE in os.environ:
+        yield
+        return
+    os.environ[NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_SHARED_STORE, None)
 
 
 def explain_rendezvous_failure(error: Exception, opts: LaunchOptions) -> str:

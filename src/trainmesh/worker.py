@@ -65,10 +65,13 @@ def run_worker(
     sharded (fsdp) model's full weights with DTensor.full_tensor().
     """
     validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        config.checkpoint.resume = True  # an elastic restart continues from the newest checkpoint
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     runtime = build_runtime(config)
     try:
+        # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a
+        # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
+        # so the ranks agree: when any rank restarted, or was asked to resume, all resume.
+        config.checkpoint.resume = bool(runtime.all_reduce(float(restarted or config.checkpoint.resume), "max"))
         if run_dir is None:  # rank 0 names the run; everyone uses its choice
             name = config.run.name or default_run_name(config.run.recipe)
             run_dir = Path(runtime.broadcast_object(str(Path(config.run.out_dir) / name)))

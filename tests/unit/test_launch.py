@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from trainmesh.launch import LaunchError, LaunchOptions, torchrun_argv
+from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
 
 
 def test_single_node_uses_loopback_and_a_free_port() -> None:
@@ -33,6 +35,28 @@ def test_elastic_c10d() -> None:
         "--local-addr=127.0.0.1",
     } <= set(argv)
     assert opts.world_sizes() == [2, 4, 6] and opts.default_run_suffix() == "job7"
+    assert "--rdzv-conf=join_timeout=300" in argv
+
+
+def test_rdzv_conf_is_added_to_the_join_timeout() -> None:
+    opts = LaunchOptions(
+        nnodes="1:2", rdzv_endpoint="127.0.0.1:29411", rdzv_conf="last_call_timeout=5, keep_alive_interval=2"
+    )
+    argv = torchrun_argv(opts, ["x.py"], module=False)
+    assert "--rdzv-conf=join_timeout=300,last_call_timeout=5,keep_alive_interval=2" in argv
+
+
+def test_c10d_agents_do_not_share_their_store_with_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared, a node joining a later round waits forever for MASTER_ADDR (launch.NO_SHARED_STORE)."""
+    monkeypatch.delenv(NO_SHARED_STORE, raising=False)
+    with _agent_environment(LaunchOptions(nnodes="1:2", rdzv_endpoint="127.0.0.1:29411")):
+        assert os.environ[NO_SHARED_STORE] == "1"
+    assert NO_SHARED_STORE not in os.environ
+    with _agent_environment(LaunchOptions(nproc_per_node="2")):  # one node: the agent's store, shared
+        assert NO_SHARED_STORE not in os.environ
+    monkeypatch.setenv(NO_SHARED_STORE, "0")  # the user's choice wins
+    with _agent_environment(LaunchOptions(nnodes="1:2", rdzv_endpoint="127.0.0.1:29411")):
+        assert os.environ[NO_SHARED_STORE] == "0"
 
 
 @pytest.mark.parametrize(
@@ -43,6 +67,9 @@ def test_elastic_c10d() -> None:
         (LaunchOptions(nnodes="2"), "needs --master-addr and --master-port"),
         (LaunchOptions(nnodes="1:2", master_addr="a", master_port=1), "needs --rdzv-endpoint"),
         (LaunchOptions(rdzv_endpoint="nohostport"), "expected HOST:PORT"),
+        (LaunchOptions(nnodes="2", rdzv_endpoint="127.0.0.1:1", rdzv_conf="last_call_timeout"), "KEY=VALUE"),
+        (LaunchOptions(nnodes="2", rdzv_endpoint="127.0.0.1:1", rdzv_conf="join_timeout=9"), "--join-timeout"),
+        (LaunchOptions(rdzv_conf="last_call_timeout=5"), "needs --rdzv-endpoint"),
         (LaunchOptions(nnodes="2", master_addr="no-such-host.invalid", master_port=1), "does not resolve"),
     ],
 )

@@ -129,13 +129,16 @@ def init_process_group(
 
 
 def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client: bool = False) -> dist.Store:
-    """The rendezvous store, with every key namespaced by torchrun's restart attempt.
+    """The rendezvous store; where torchrun's agent hosts it, every key namespaced by the restart attempt.
 
-    Under torchrun the store outlives a failed attempt (the agent hosts it), and a restarted group can
-    read the dead attempt's peer addresses before the new ones are written: gloo then fails with
-    "connection refused" (seen with torch 2.13 in about 2 restarts of 3; cf. pytorch/pytorch#167288).
-    A per-attempt prefix makes every attempt meet on fresh keys. `client`: one more connection to a
-    store that already runs (for a background thread).
+    An agent's store outlives a failed attempt, and a restarted group can read the dead attempt's peer
+    addresses before the new ones are written: gloo then fails with "connection refused" (seen with
+    torch 2.13 in about 2 restarts of 3; cf. pytorch/pytorch#167288). A per-attempt prefix makes every
+    attempt meet on fresh keys. Where rank 0 hosts the store (elastic launches, see launch.py) every
+    attempt has a new one, and no prefix is used: TORCHELASTIC_RESTART_COUNT is each agent's own count
+    (a membership change does not add to it, and a replacement node starts at 0), so ranks of
+    different nodes would look for each other under different prefixes and never meet.
+    `client`: one more connection to a store that already runs (for a background thread).
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store: dist.Store
@@ -144,6 +147,8 @@ def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client
     else:
         is_master = env.rank == 0 and not agent_hosts_it and not client
         store = dist.TCPStore(addr, port, None if client else env.world_size, is_master=is_master, timeout=timeout)
+    if not agent_hosts_it:
+        return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"trainmesh/attempt-{attempt}", store)
 

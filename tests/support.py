@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from trainmesh.config.validate import load_config
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import IGNORE_INDEX
+from trainmesh.runtime.env import free_port
 from trainmesh.train.loop import TrainResult
 from trainmesh.worker import run_worker
 
@@ -88,6 +91,26 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
     }
+
+
+def train_rank_runs(rank: int, root: str, runs: list[list[str]]) -> list[dict[str, Any]]:
+    """`train_rank` for several runs one after another in the same processes: one process start (most
+    of a small test's time) for many settings. Each run joins and leaves its own process group, on a
+    fresh port that rank 0 picks and hands over in a file (the last run's store may still hold its own)."""
+    results = []
+    for i, overrides in enumerate(runs):
+        if i:
+            handover = Path(root) / f"port_{i}"
+            if rank == 0:
+                (Path(root) / f"port_{i}.tmp").write_text(str(free_port()))
+                (Path(root) / f"port_{i}.tmp").rename(handover)
+            deadline = time.monotonic() + 60
+            while not handover.exists():
+                assert time.monotonic() < deadline, "rank 0 did not hand over the next port"
+                time.sleep(0.05)
+            os.environ["MASTER_PORT"] = handover.read_text()
+        results.append(train_rank(rank, root, overrides))
+    return results
 
 
 def nano_toml(root: Path) -> Path:

@@ -18,14 +18,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainmesh.config import Config, ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.config.validate import load_config, validate
+from trainmesh.config.validate import load_config, parallel_layout, validate
 from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.rundir import default_run_name, write_config
 from trainmesh.runtime.dist import store_client
 from trainmesh.runtime.env import DistEnv
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies import BlockOptions, DDPOptions, FSDPOptions, MeshShape
+from trainmesh.strategies import BlockOptions, DDPOptions, FSDPOptions, PipelineOptions
 from trainmesh.train.loop import TrainResult, train
 from trainmesh.train.preemption import EXIT_PREEMPTED, PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog
@@ -34,10 +34,9 @@ log = get_logger(__name__)
 
 
 def build_runtime(config: Config) -> Runtime:
-    par, world = config.parallel, DistEnv.from_environ().world_size
-    mesh = MeshShape.resolve(world, par.dp_replicate, par.dp_shard) if par.strategy == "fsdp" else None
+    strategy, mesh = parallel_layout(config, DistEnv.from_environ().world_size)
     return Runtime(
-        strategy=config.parallel.strategy,
+        strategy=strategy,
         precision=config.train.precision,
         device=config.dist.device,
         backend=config.dist.backend,
@@ -48,6 +47,7 @@ def build_runtime(config: Config) -> Runtime:
         fsdp=FSDPOptions(**config_to_dict(config.parallel.fsdp)),
         blocks=BlockOptions(config.parallel.activation_checkpointing, config.train.compile),
         mesh=mesh,
+        pipeline=PipelineOptions(**config_to_dict(config.parallel.pipeline)),
         deterministic=config.run.deterministic,
     )
 

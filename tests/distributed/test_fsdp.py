@@ -60,7 +60,7 @@ def test_fsdp_equals_one_process(name: str, reference: dict[str, torch.Tensor], 
     results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.name=f"]))
     for result in results:  # every rank gathers the same full parameters
         _assert_close(result["params"], reference, name)
-        assert "blocks.0.attn.qkv.weight" in result["sharded"] and "wte.weight" in result["sharded"]
+        assert "blocks.0.attn.q.weight" in result["sharded"] and "wte.weight" in result["sharded"]
 
 
 def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The ResNet recipe through the library on 2 gloo ranks: with SyncBatchNorm, DDP with micro-batch b
 reaches the same weights and running statistics as one process with batch 2b (BatchNorm over the same
-samples); with per-rank BatchNorm it does not. Resuming reproduces the uninterrupted run bit for bit
+samples), and so do 2 pipeline stages × 2 replicas (SyncBatchNorm over the replicas of each stage);
+with per-rank BatchNorm it does not. Resuming reproduces the uninterrupted run bit for bit
 (augmentation is drawn from sample ids, not a global RNG). A short training reports a sane val_top1."""
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def test_sync_batchnorm_on_2_ranks_equals_one_process(tmp_path: Path) -> None:
     local = _state(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=batch", "--run.name=local"])
     with pytest.raises(AssertionError):  # per-rank statistics: the comparison above would catch them
         _assert_same(local, single)
+    # 2 pipeline stages × 2 DDP replicas: SyncBatchNorm over the 2 replicas of each stage only; one
+    # pipeline micro-batch, so each BatchNorm sees the same 8 + 8 samples as above.
+    pipeline = [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=pp"]
+    pipeline += ["--parallel.pp=2", "--parallel.pipeline.microbatches=1", "--parallel.pipeline.schedule=gpipe"]
+    ranks = run_distributed(resnet_rank, 4, args=(str(tmp_path), pipeline), timeout_s=150)
+    stages = {**ranks[0]["state"], **ranks[2]["state"]}  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+    assert "stem.0.weight" not in ranks[2]["state"] and "head.weight" not in ranks[0]["state"]
+    _assert_same(stages, single)
 
 
 @pytest.mark.timeout(240)

@@ -18,7 +18,7 @@ def test_auto_picks_ddp_for_several_processes() -> None:
 
 
 def test_single_with_several_processes_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"strategy='single' runs one process, but the world size is 2.*ddp"):
+    with pytest.raises(ValueError, match=r"strategy=.single. keeps one model replica, but the world size is 2.*ddp"):
         resolve_strategy_name("single", 2)
 
 

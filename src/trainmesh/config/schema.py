@@ -11,7 +11,7 @@ from typing import Any
 
 from trainmesh.precision import PRECISIONS
 from trainmesh.runtime.dist import BACKENDS, DEBUG_LEVELS, DEVICES
-from trainmesh.strategies import COMM_HOOKS, STRATEGIES
+from trainmesh.strategies import COMM_HOOKS, SCHEDULES, STRATEGIES
 
 
 def _one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -103,19 +103,37 @@ class FSDPConfig:
 
 
 @dataclass
+class PipelineConfig:
+    schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev."""
+    microbatches: int = 4
+    """Pieces each micro-batch is cut into as it flows through the stages; train.micro_batch must be a multiple."""
+
+    def __post_init__(self) -> None:
+        _one_of("parallel.pipeline.schedule", self.schedule, tuple(SCHEDULES))
+        _at_least("parallel.pipeline.microbatches", self.microbatches, 1)
+
+
+@dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """auto (ddp with several processes, else single) | single | dp | ddp | fsdp (sharded, FSDP2)."""
+    """Data parallelism across replicas: auto (ddp; fsdp with tp; single: one replica) | single | dp | ddp | fsdp."""
+    pp: int = 1
+    """Pipeline-parallel stages (ranks one model is cut across by layers); -1: infer."""
+    tp: int = 1
+    """Tensor-parallel degree (ranks each layer's weights are split over); -1: infer."""
     dp_replicate: int = 1
-    """fsdp: model replicas (hybrid sharding: shard within a replica, all-reduce across); -1: infer."""
+    """Data-parallel replicas (fsdp: hybrid sharding, all-reduce across replicas); -1: infer."""
     dp_shard: int = -1
-    """fsdp: ranks each replica is sharded over; -1: world size / dp_replicate."""
+    """fsdp: ranks each replica is sharded over (ddp: more replicas); -1: world / (pp × tp × dp_replicate)."""
     activation_checkpointing: int = 0
     """Recompute every Nth block's activations in backward instead of storing them (1: all; 0: none)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel options."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Fully sharded data parallel options."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline-parallel options (parallel.pp > 1)."""
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, STRATEGIES)

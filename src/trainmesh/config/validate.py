@@ -7,7 +7,7 @@ from pathlib import Path
 from trainmesh.config.loader import ConfigError, build_config, load_toml, merge_overrides
 from trainmesh.config.schema import Config
 from trainmesh.recipes import get_recipe
-from trainmesh.strategies import DISTRIBUTED, MeshShape, resolve_strategy_name
+from trainmesh.strategies import MeshShape, resolve_parallelism
 from trainmesh.train.batch import BatchMathError, BatchPlan
 
 
@@ -34,24 +34,41 @@ def load_config(path: str | Path | None, overrides: list[str], recipe: str | Non
     return config
 
 
+def parallel_layout(config: Config, world_size: int) -> tuple[str, MeshShape]:
+    """The data-parallel strategy and the mesh the parallel.* keys describe for `world_size` ranks."""
+    par = config.parallel
+    return resolve_parallelism(
+        par.strategy, world_size, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp
+    )
+
+
 def validate(config: Config, world_size: int) -> BatchPlan:
     """Cross-section checks for a given world size; returns the batch plan they imply."""
-    par = config.parallel
+    par, train = config.parallel, config.train
     try:
-        strategy = resolve_strategy_name(par.strategy, world_size)
-        if strategy == "fsdp":
-            MeshShape.resolve(world_size, par.dp_replicate, par.dp_shard)
-        elif (par.dp_replicate, par.dp_shard) != (1, -1):
-            raise ConfigError(
-                f"parallel.dp_replicate={par.dp_replicate} / parallel.dp_shard={par.dp_shard} shape fsdp's mesh, "
-                f"but parallel.strategy resolves to {strategy!r}. Fix: --parallel.strategy=fsdp, or leave them "
-                "at 1 / -1."
-            )
+        _, shape = parallel_layout(config, world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    dp_size = world_size if strategy in DISTRIBUTED else 1
+    if shape.pp > 1 and train.micro_batch % par.pipeline.microbatches:
+        fits = _divisor(train.micro_batch, par.pipeline.microbatches)
+        raise ConfigError(
+            f"train.micro_batch={train.micro_batch} cannot be cut into parallel.pipeline.microbatches="
+            f"{par.pipeline.microbatches} equal pieces for the pipeline. Fix: a train.micro_batch that is a "
+            f"multiple of {par.pipeline.microbatches}, or --parallel.pipeline.microbatches={fits}."
+        )
+    if shape.pp * shape.tp > 1 and train.precision == "16-mixed":
+        raise ConfigError(
+            f"train.precision='16-mixed' with parallel.pp={shape.pp} / parallel.tp={shape.tp}: the loss scaler's "
+            "overflow check would see only this rank's part of the gradients, and ranks could disagree on skipping a "
+            "step. Fix: --train.precision=bf16-mixed."
+        )
     recipe = get_recipe(config.run.recipe)
     try:
-        return BatchPlan.derive(config.train, dp_size, recipe.tokens_per_sample(config.model))
+        return BatchPlan.derive(train, shape.dp_size, recipe.tokens_per_sample(config.model))
     except BatchMathError as e:
         raise ConfigError(str(e)) from None
+
+
+def _divisor(n: int, near: int) -> int:
+    """The divisor of n closest to `near` (a suggestion for a fix)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))

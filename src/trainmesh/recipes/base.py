@@ -13,6 +13,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainmesh.config.schema import Config, ModelConfig
+from trainmesh.strategies.base import Objective
+from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
@@ -22,7 +24,7 @@ class Recipe(ABC):
     name: str
     model_config_cls: type[ModelConfig]
     eval_metrics: tuple[str, ...] = ()
-    """Validation metrics besides the loss that `eval_sums` returns, each reported as val_<name>."""
+    """Validation metrics besides the loss that `output_sums` returns, each reported as val_<name>."""
 
     def tokens_per_sample(self, model: ModelConfig) -> int:
         """Tokens in one sample, for token-denominated batch sizes; 0 when samples are not token sequences."""
@@ -45,25 +47,39 @@ class Recipe(ABC):
     def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
         """(train, validation) datasets whose items the default collate can stack."""
 
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """(model input, targets) of a collated batch; the default reads (input, target) pairs."""
+        return batch[0], batch[1]
+
     @abstractmethod
-    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
-        """Forward pass and the loss *summed* over the batch's targets (normalised by the loop)."""
+    def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """The loss of the model's output *summed* over the targets (normalised by the loop)."""
 
     @abstractmethod
     def count_targets(self, batch: Any) -> int:
-        """How many targets `loss_sum` sums over (tokens not equal to ignore_index, or samples)."""
+        """How many targets `output_loss` sums over (tokens not equal to ignore_index, or samples)."""
 
-    def eval_sums(self, module: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    def output_sums(self, output: Any, targets: Any) -> dict[str, torch.Tensor]:
         """Validation sums for one batch: the summed loss under "loss", plus one per name in `eval_metrics`
         (e.g. "top1": correctly classified samples). The loop adds them up over batches and ranks and
         divides each by the target count. One hook, so a classifier runs one forward for all of them."""
-        return {"loss": self.loss_sum(module, batch)}
+        return {"loss": self.output_loss(output, targets)}
 
-    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
-        """The model's repeated units (transformer layers, residual blocks), checkpointed, compiled and
-        sharded one by one; None: the modules held in its nn.ModuleLists."""
+    def objective(self) -> Objective:
+        """The three functions above, as the strategies use them (a pipeline computes the loss on its
+        last stage, so the forward and the loss are separate steps)."""
+        return Objective(self.split_batch, self.output_loss, self.output_sums)
+
+    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Forward `batch` through `module` and return the summed loss (for use outside the loop)."""
+        inputs, targets = self.split_batch(batch)
+        return self.output_loss(module(inputs), targets)
+
+    def parallel_plan(self, model: nn.Module) -> ParallelPlan:
+        """How the model is cut for the strategies: its blocks and, where the recipe supports them, its
+        tensor-parallel plan and pipeline split (see strategies/plan.py)."""
         del model
-        return None
+        return ParallelPlan()
 
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token (or sample) for MFU; 0 when unknown."""

@@ -39,12 +39,14 @@ from trainmesh.strategies import (
     BlockOptions,
     DDPOptions,
     FSDPOptions,
-    LossFn,
     MeshShape,
+    ParallelPlan,
+    PipelineOptions,
     Strategy,
     build_strategy,
-    resolve_strategy_name,
+    resolve_parallelism,
 )
+from trainmesh.strategies.base import Objective
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min"]
@@ -86,6 +88,7 @@ class Runtime:
         fsdp: FSDPOptions | None = None,
         blocks: BlockOptions | None = None,
         mesh: MeshShape | None = None,
+        pipeline: PipelineOptions | None = None,
         deterministic: bool = False,
         env: DistEnv | None = None,
     ) -> None:
@@ -93,19 +96,20 @@ class Runtime:
         self.log = configure_logging(self.env.rank, self.env.world_size)
         self.device = select_device(device, self.env)
         self.backend = select_backend(backend, self.device)
-        strategy_name = resolve_strategy_name(strategy, self.env.world_size)
+        if mesh is None:  # data parallelism only
+            strategy, mesh = resolve_parallelism(strategy, self.env.world_size)
         self.precision: Precision = build_precision(precision, self.device)
         init_process_group(
             self.env,
             self.backend,
             self.device,
             timeout_s,
-            required=strategy_name in DISTRIBUTED,
+            required=strategy in DISTRIBUTED or mesh.pp * mesh.tp > 1,
             init_timeout_s=init_timeout_s,
             debug=debug,
         )
         self.strategy: Strategy = build_strategy(
-            strategy_name, self.env, self.device, ddp, fsdp, blocks, mesh, self.precision.gather_dtype
+            strategy, self.env, self.device, ddp, fsdp, blocks, mesh, self.precision.gather_dtype, pipeline
         )
         set_deterministic(deterministic)
         if seed is not None:
@@ -133,6 +137,11 @@ class Runtime:
         return self.strategy.dp_rank
 
     @property
+    def owns_loss(self) -> bool:
+        """Whether this rank reports its model replica's loss (one rank per replica; see Strategy)."""
+        return self.strategy.owns_loss
+
+    @property
     def is_main_process(self) -> bool:
         return self.env.is_main
 
@@ -142,11 +151,11 @@ class Runtime:
 
     # -- model and data ----------------------------------------------------------------------------
     @overload
-    def setup(self, model: nn.Module, *, blocks: list[nn.Module] | None = None) -> nn.Module: ...
+    def setup(self, model: nn.Module, *, plan: ParallelPlan | None = None) -> nn.Module: ...
 
     @overload
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, blocks: list[nn.Module] | None = None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, plan: ParallelPlan | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
     def setup(
@@ -154,21 +163,23 @@ class Runtime:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        blocks: list[nn.Module] | None = None,
+        plan: ParallelPlan | None = None,
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-        """Cast for the precision, place and wrap for the strategy. `blocks`: the model's repeated units
-        (checkpointed, compiled and sharded one by one; default: the modules in its nn.ModuleLists).
+        """Cast for the precision, place and wrap for the strategy. `plan`: the model's blocks
+        (checkpointed, compiled and sharded one by one; default: the modules in its nn.ModuleLists) and
+        its tensor-parallel and pipeline plans (strategies/plan.py).
 
         Parameters are moved in place, so an optimizer built before or after `setup` both work, except
-        with fsdp, which replaces them by shards: build the optimizer after `setup` there.
+        with fsdp, tensor or pipeline parallelism, which replace them by shards or keep only a stage:
+        build the optimizer from the returned module's parameters there.
         """
         if optimizer is not None and self.strategy.collective_forward:
             raise ValueError(
-                f"parallel.strategy={self.strategy.name!r} replaces the parameters by shards, so an optimizer "
-                "built before setup() would update stale tensors. Fix: model = rt.setup(model), then build "
-                "the optimizer from model.parameters()."
+                f"parallel.strategy={self.strategy.name!r} (with fsdp, tp or pp) replaces the parameters by "
+                "shards or keeps only some of them, so an optimizer built before setup() would update stale "
+                "tensors. Fix: model = rt.setup(model), then build the optimizer from model.parameters()."
             )
-        wrapped = self.strategy.setup_module(self.precision.convert_module(model), blocks)
+        wrapped = self.strategy.setup_module(self.precision.convert_module(model), plan)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -226,9 +237,13 @@ class Runtime:
         self.precision.backward(loss)
 
     def forward_backward(
-        self, model: nn.Module, batch: Any, loss_fn: LossFn, scale: Callable[[], float]
+        self, model: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float]
     ) -> torch.Tensor:
-        return self.strategy.forward_backward(model, batch, loss_fn, scale, self.precision)
+        return self.strategy.forward_backward(model, batch, objective, scale, self.precision)
+
+    def evaluate(self, model: nn.Module, batch: Any, objective: Objective) -> dict[str, torch.Tensor] | None:
+        """Validation sums of one batch on the rank that owns the loss, None elsewhere (collective)."""
+        return self.strategy.evaluate(model, batch, objective, self.precision)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Unscale (fp16), then clip the global gradient norm; returns the norm before clipping."""
@@ -278,6 +293,14 @@ class Runtime:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
+
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's data-parallel replicas (e.g. for SyncBatchNorm); None: the whole
+        world when there is no model parallelism, or no group at all. Collective: every rank calls it."""
+        mesh = self.strategy.mesh
+        if mesh is None or mesh.shape.dp_size == self.world_size:
+            return None
+        return mesh.dp_group()
 
     def new_group(self) -> dist.ProcessGroup | None:
         """Collective: a second gloo group of all ranks (None without a process group)."""

@@ -1,17 +1,25 @@
-"""Strategies, chosen by name (`parallel.strategy`)."""
+"""Strategies, chosen by name (`parallel.strategy`) and composed with the model-parallel degrees
+(`parallel.pp`, `parallel.tp`) on one device mesh (strategies/mesh.py).
+
+`parallel.strategy` is how data parallelism works across model replicas (single, dp, ddp, fsdp);
+`parallel.tp > 1` cuts every block's weights over tensor-parallel ranks (the recipe's plan), and
+`parallel.pp > 1` cuts the model into pipeline stages run by `PipelineStrategy`, which wraps each
+stage in the data-parallel strategy.
+"""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from trainmesh.runtime.env import DistEnv
-from trainmesh.strategies.base import LossFn, Strategy
+from trainmesh.strategies.base import Objective, Strategy
 from trainmesh.strategies.blocks import BlockOptions
 from trainmesh.strategies.ddp import COMM_HOOKS, DDPOptions, DDPStrategy
 from trainmesh.strategies.dp import DataParallelStrategy
 from trainmesh.strategies.fsdp import FSDPOptions, FSDPStrategy
-from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.mesh import MeshError, MeshShape, ParallelMesh
+from trainmesh.strategies.pipeline import SCHEDULES, PipelineOptions, PipelineStrategy
+from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.strategies.single import SingleDeviceStrategy
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
@@ -20,35 +28,60 @@ DISTRIBUTED = ("ddp", "fsdp")  # these need a process group even for one process
 __all__ = [
     "COMM_HOOKS",
     "DISTRIBUTED",
+    "SCHEDULES",
     "STRATEGIES",
     "BlockOptions",
     "DDPOptions",
     "FSDPOptions",
-    "LossFn",
     "MeshShape",
+    "Objective",
+    "ParallelPlan",
+    "PipelineOptions",
     "Strategy",
     "build_strategy",
+    "resolve_parallelism",
     "resolve_strategy_name",
 ]
 
 
-def resolve_strategy_name(name: str, world_size: int) -> str:
-    """`auto` is `ddp` with several processes and `single` otherwise; mismatches are user errors."""
+def resolve_parallelism(
+    name: str, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+) -> tuple[str, MeshShape]:
+    """The data-parallel strategy `auto` stands for, and the mesh; mismatches are user errors."""
     if name not in STRATEGIES:
         raise ValueError(f"parallel.strategy={name!r} is not one of {', '.join(STRATEGIES)}")
+    sharded = name == "fsdp" or (name == "auto" and tp != 1)  # ddp cannot hold tensor-parallel weights
+    shape = MeshShape.resolve(world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sharded=sharded)
     if name == "auto":
-        return "ddp" if world_size > 1 else "single"
+        name = ("fsdp" if sharded else "ddp") if shape.dp_size > 1 else "single"
+    model_parallel = f" (parallel.pp={shape.pp}, parallel.tp={shape.tp})" if shape.pp * shape.tp > 1 else ""
     if name == "dp" and world_size > 1:
         raise ValueError(
             f"parallel.strategy='dp' drives all local GPUs from ONE process, but the world size is {world_size}. "
             "Fix: --nproc-per-node 1 with dp, or use --parallel.strategy=ddp."
         )
-    if name == "single" and world_size > 1:
+    if name == "single" and shape.dp_size > 1:
         raise ValueError(
-            f"parallel.strategy='single' runs one process, but the world size is {world_size}. "
+            f"parallel.strategy='single' keeps one model replica, but the world size is {world_size}{model_parallel}, "
+            f"which leaves {shape.dp_size} data-parallel replicas. "
             "Fix: --parallel.strategy=ddp (or auto), or launch one process."
         )
-    return name
+    if name == "ddp" and shape.tp > 1:
+        raise ValueError(
+            f"parallel.strategy='ddp' cannot combine with tensor parallelism (parallel.tp={shape.tp}): DDP "
+            "all-reduces whole tensors, not tensor-parallel shards. Fix: --parallel.strategy=fsdp (TP × FSDP)."
+        )
+    if name == "fsdp" and shape.dp_shard == 1 and shape.dp_replicate > 1:
+        raise ValueError(
+            f"parallel.dp_shard=1 with parallel.dp_replicate={shape.dp_replicate} shards nothing. "
+            "Fix: --parallel.strategy=ddp for pure replication, or a parallel.dp_shard above 1."
+        )
+    return name, shape
+
+
+def resolve_strategy_name(name: str, world_size: int) -> str:
+    """`auto` is `ddp` with several processes and `single` otherwise (no model parallelism)."""
+    return resolve_parallelism(name, world_size)[0]
 
 
 def build_strategy(
@@ -60,14 +93,31 @@ def build_strategy(
     blocks: BlockOptions | None = None,
     mesh: MeshShape | None = None,
     gather_dtype: torch.dtype | None = None,
+    pipeline: PipelineOptions | None = None,
 ) -> Strategy:
-    name = resolve_strategy_name(name, env.world_size)
-    if name == "fsdp":
-        shape = mesh or MeshShape.resolve(env.world_size)
-        device_mesh = init_device_mesh(device.type, shape.dims, mesh_dim_names=shape.names)
-        return FSDPStrategy(env, device, device_mesh, fsdp or FSDPOptions(), gather_dtype, blocks)
-    if name == "ddp":
-        return DDPStrategy(env, device, ddp or DDPOptions(), blocks)
-    if name == "dp":
-        return DataParallelStrategy(env, device, blocks)
-    return SingleDeviceStrategy(env, device, blocks)
+    """Collective when a device mesh is needed (fsdp, pp or tp): every rank builds it together."""
+    if mesh is None:
+        name, mesh = resolve_parallelism(name, env.world_size)
+    elif name == "auto":
+        name = ("fsdp" if mesh.tp > 1 else "ddp") if mesh.dp_size > 1 else "single"
+    if mesh.world_size != env.world_size:
+        raise MeshError(
+            f"the mesh {mesh.describe()} holds {mesh.world_size} ranks, but the world size is {env.world_size}"
+        )
+    needs_mesh = name == "fsdp" or mesh.pp > 1 or mesh.tp > 1
+    device_mesh = ParallelMesh(mesh, device.type) if needs_mesh else None
+
+    def data_parallel() -> Strategy:
+        if name == "fsdp":
+            assert device_mesh is not None
+            return FSDPStrategy(env, device, device_mesh, fsdp or FSDPOptions(), gather_dtype, blocks)
+        if name == "ddp":
+            return DDPStrategy(env, device, ddp or DDPOptions(), blocks, device_mesh)
+        if name == "dp":
+            return DataParallelStrategy(env, device, blocks)
+        return SingleDeviceStrategy(env, device, blocks, device_mesh)
+
+    if mesh.pp > 1:
+        assert device_mesh is not None
+        return PipelineStrategy(env, device, device_mesh, data_parallel(), pipeline or PipelineOptions())
+    return data_parallel()

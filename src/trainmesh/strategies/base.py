@@ -1,8 +1,8 @@
 """The Strategy seam: how the model is wrapped, how gradients are synchronised and how state is saved.
 
-The training loop calls only these methods (`forward_backward`, `no_sync`, `clip_grad_norm`,
-`state_dicts`); it never asks which strategy it runs under, so new strategies (FSDP, pipeline) plug in
-here without touching the loop.
+The training loop calls only these methods (`forward_backward`, `evaluate`, `no_sync`,
+`clip_grad_norm`, `state_dicts`); it never asks which strategy it runs under, so FSDP, tensor and
+pipeline parallelism plug in here without touching the loop.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,32 +20,75 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainmesh.precision import Precision
 from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.blocks import BlockOptions, find_blocks, transform_blocks
+from trainmesh.strategies.gradients import clip_gradients
+from trainmesh.strategies.mesh import ParallelMesh
+from trainmesh.strategies.plan import ParallelPlan
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+@dataclass(frozen=True)
+class Objective:
+    """What to compute on a batch. Forward and loss are separate steps, since a pipeline runs the
+    forward over several ranks and computes the loss on the last."""
+
+    split: Callable[[Any], tuple[Any, Any]]
+    """batch -> (model input, targets)"""
+    loss: Callable[[Any, Any], torch.Tensor]
+    """(output, targets) -> the loss summed over the targets"""
+    sums: Callable[[Any, Any], dict[str, torch.Tensor]]
+    """(output, targets) -> validation sums, the summed loss under "loss" (Recipe.output_sums)"""
 
 
 class Strategy(ABC):
     """One way of placing a model on devices and keeping its replicas or shards consistent."""
 
     name: str
-    collective_forward = False
-    """Whether a forward pass communicates (sharded parameters): then every rank must run the same
-    number of forwards, e.g. in evaluation, and none may run one alone."""
 
-    def __init__(self, env: DistEnv, device: torch.device, blocks: BlockOptions | None = None) -> None:
+    def __init__(
+        self,
+        env: DistEnv,
+        device: torch.device,
+        blocks: BlockOptions | None = None,
+        mesh: ParallelMesh | None = None,
+    ) -> None:
         self.env = env
         self.device = device
         self.block_options = blocks or BlockOptions()
+        self.mesh = mesh
+        """The device mesh when there is model parallelism (tp, pp) or fsdp; None otherwise."""
 
     # -- data-parallel geometry: which slice of each global batch this process reads ----------------
     @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas whose gradients are averaged."""
-        return 1
+        return self.mesh.shape.dp_size if self.mesh else 1
 
     @property
     def dp_rank(self) -> int:
-        return 0
+        return self.mesh.dp_rank if self.mesh else 0
+
+    @property
+    def owns_loss(self) -> bool:
+        """Whether this rank reports its replica's loss and counts its targets. Tensor-parallel peers
+        compute the same loss and pipeline stages before the last none, so exactly one rank of each
+        replica does; the loop sums over all ranks and gets every target once."""
+        return self.mesh is None or self.mesh.coordinate("tp") == 0
+
+    @property
+    def seed_rank(self) -> int:
+        """Ranks with the same number draw the same random numbers (dropout): tensor-parallel peers
+        must, since they hold the same replicated activations."""
+        return self.env.rank // (self.mesh.shape.tp if self.mesh else 1)
+
+    @property
+    def collective_forward(self) -> bool:
+        """Whether a forward pass communicates (sharded parameters, tensor parallelism): then every
+        rank must run the same number of forwards, e.g. in evaluation, and none may run one alone."""
+        return self.mesh is not None and self.mesh.tp_mesh is not None
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """Whether every rank runs the whole model's forward (not so for pipeline stages)."""
+        return True
 
     @property
     def devices_per_process(self) -> int:
@@ -52,10 +96,20 @@ class Strategy(ABC):
         return 1
 
     # -- model --------------------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
-        """Transform the model's blocks (strategies/blocks.py), then place and wrap it; returns the
-        module to train. `blocks`: the model's repeated units (default: those in nn.ModuleLists)."""
-        blocks = find_blocks(module) if blocks is None else blocks
+    def setup_module(self, module: nn.Module, plan: ParallelPlan | None = None) -> nn.Module:
+        """Apply tensor parallelism (parallel.tp > 1), transform the blocks (strategies/blocks.py), then
+        place and wrap the model; returns the module to train. The order is fixed, see plan.py."""
+        plan = plan or ParallelPlan()
+        blocks = find_blocks(module) if plan.blocks is None else plan.blocks
+        tp_mesh = self.mesh.tp_mesh if self.mesh else None
+        if tp_mesh is not None:
+            if plan.tensor_parallel is None:
+                raise ValueError(
+                    f"parallel.tp={tp_mesh.size()}, but this recipe has no tensor-parallel plan. "
+                    "Fix: --parallel.tp=1 (use parallel.dp_shard or parallel.pp to spread the model instead)."
+                )
+            module.to(self.device)
+            plan.tensor_parallel(module, tp_mesh)
         transform_blocks(module, blocks, self.block_options)
         return self.wrap(module, blocks)
 
@@ -75,21 +129,36 @@ class Strategy(ABC):
         yield
 
     def forward_backward(
-        self, module: nn.Module, batch: Any, loss_fn: LossFn, scale: Callable[[], float], precision: Precision
+        self, module: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float], precision: Precision
     ) -> torch.Tensor:
-        """Run forward and backward on one micro-batch; returns the unscaled loss (detached).
+        """Run forward and backward on one micro-batch; returns this rank's share of the reported loss
+        (the summed loss, detached; zero where another rank reports it, see `owns_loss`).
 
-        `scale()` turns the recipe's summed loss into this micro-batch's share of the global mean, with
+        `scale()` turns the summed loss into this micro-batch's share of the global mean, with
         the gradient averaging of data parallelism already accounted for (see train/batch.py). It is
         called after the forward, so the all-reduce it may wait for overlaps the forward pass.
         """
+        inputs, targets = objective.split(batch)
         with precision.autocast():
-            loss = loss_fn(module, batch)
+            loss = objective.loss(module(inputs), targets)
         precision.backward(loss * scale())
-        return loss.detach()
+        return loss.detach() if self.owns_loss else torch.zeros_like(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(
+        self, module: nn.Module, batch: Any, objective: Objective, precision: Precision
+    ) -> dict[str, torch.Tensor] | None:
+        """Validation sums of one batch (`objective.sums`); None on ranks that do not own the loss.
+        Runs the user's module, outside any data-parallel wrapper (whose forward may communicate)."""
+        inputs, targets = objective.split(batch)
+        with precision.autocast():
+            sums = objective.sums(self.unwrap(module)(inputs), targets)
+        return sums if self.owns_loss else None
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (no clipping when <= 0) and return the total norm before clipping."""
+        if self.mesh is not None and self.mesh.tp_mesh is not None:  # tensor-parallel shards beside plain tensors
+            return clip_gradients(list(module.parameters()), max_norm)
         limit = max_norm if max_norm > 0 else float("inf")
         return torch.nn.utils.clip_grad_norm_(module.parameters(), limit)
 

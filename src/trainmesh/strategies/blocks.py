@@ -2,7 +2,8 @@
 sharding strategy wraps each block).
 
 A block is one repeated unit of the model (a transformer layer, a residual stage). The recipe names
-them (`Recipe.blocks`); by default they are the modules held in `nn.ModuleList`s. Both transforms
+them (`ParallelPlan.blocks`); by default they are the modules held in `nn.ModuleList`s (or
+`nn.ModuleDict`s, as in a pipeline stage). Both transforms
 change a block in place and keep its parameter names, so checkpoints load across settings.
 """
 
@@ -24,11 +25,13 @@ class BlockOptions:
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:
-    """The modules inside the outermost `nn.ModuleList`s of `module`, in order."""
+    """The modules inside the outermost `nn.ModuleList`s (or `nn.ModuleDict`s) of `module`, in order."""
     blocks: list[nn.Module] = []
     for child in module.children():
         if isinstance(child, nn.ModuleList):
             blocks.extend(child)
+        elif isinstance(child, nn.ModuleDict):
+            blocks.extend(child.values())
         else:
             blocks.extend(find_blocks(child))
     return blocks

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.base import Strategy
 from trainmesh.strategies.blocks import BlockOptions
+from trainmesh.strategies.mesh import ParallelMesh
 
 COMM_HOOKS = ("none", "fp16", "bf16")
 
@@ -40,9 +41,14 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(
-        self, env: DistEnv, device: torch.device, options: DDPOptions, blocks: BlockOptions | None = None
+        self,
+        env: DistEnv,
+        device: torch.device,
+        options: DDPOptions,
+        blocks: BlockOptions | None = None,
+        mesh: ParallelMesh | None = None,
     ) -> None:
-        super().__init__(env, device, blocks)
+        super().__init__(env, device, blocks, mesh)
         if options.comm_hook not in COMM_HOOKS:
             raise ValueError(f"parallel.ddp.comm_hook={options.comm_hook!r} is not one of {COMM_HOOKS}")
         if options.comm_hook == "bf16" and device.type != "cuda":
@@ -54,19 +60,21 @@ class DDPStrategy(Strategy):
 
     @property
     def dp_size(self) -> int:
-        return self.env.world_size
+        return self.mesh.shape.dp_size if self.mesh else self.env.world_size
 
     @property
     def dp_rank(self) -> int:
-        return self.env.rank
+        return self.mesh.dp_rank if self.mesh else self.env.rank
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         del blocks
         module = module.to(self.device)
         opts = self.options
         buffer_sync: Any = _buffer_sync_kwarg(opts.sync_buffers)
+        dp_mesh = self.mesh.dp_mesh if self.mesh else None  # with pipeline stages: the replicas of this stage
         ddp = DistributedDataParallel(
             module,
+            process_group=dp_mesh.get_group() if dp_mesh is not None else None,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=opts.bucket_cap_mb,
             static_graph=opts.static_graph,

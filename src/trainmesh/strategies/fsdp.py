@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.base import Strategy
 from trainmesh.strategies.blocks import BlockOptions
+from trainmesh.strategies.mesh import ParallelMesh
 
 
 @dataclass
@@ -48,39 +48,32 @@ class FSDPOptions:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    collective_forward = True
+
+    @property
+    def collective_forward(self) -> bool:
+        return True
 
     def __init__(
         self,
         env: DistEnv,
         device: torch.device,
-        mesh: DeviceMesh,
+        mesh: ParallelMesh,
         options: FSDPOptions,
         param_dtype: torch.dtype | None = None,
         blocks: BlockOptions | None = None,
     ) -> None:
-        super().__init__(env, device, blocks)
-        self.mesh, self.options, self.param_dtype = mesh, options, param_dtype
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.size()
-
-    @property
-    def dp_rank(self) -> int:
-        coords = self.mesh.get_coordinate()
-        assert coords is not None, "this rank is not in the mesh"
-        # Row-major over (dp_replicate, dp_shard): the data-parallel index of this rank.
-        index = 0
-        for coord, size in zip(coords, self.mesh.shape, strict=True):
-            index = index * size + coord
-        return index
+        super().__init__(env, device, blocks, mesh)
+        self.options, self.param_dtype = options, param_dtype
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         if not self.options.cpu_offload:
             module = module.to(self.device)
+        assert self.mesh is not None
+        dp_mesh = self.mesh.dp_mesh
+        if dp_mesh is None:  # one replica (e.g. all ranks tensor-parallel): nothing to shard over
+            return module
         kwargs: dict[str, Any] = {
-            "mesh": self.mesh,
+            "mesh": dp_mesh,
             "reshard_after_forward": self.options.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32),
         }

@@ -1,18 +1,29 @@
-"""The device mesh: how the world's ranks split into named data-parallel dimensions.
+"""The device mesh: how the world's ranks split into named parallel dimensions.
 
-    dp_replicate × dp_shard = world size
-    (dp_replicate, dp_shard) = (1, N): every rank holds 1/N of the model (FSDP full sharding)
-                             = (R, N/R): R replicas, each sharded over N/R ranks (hybrid sharding)
+    pp × dp_replicate × dp_shard × tp = world size
 
-Rank r sits at (r // dp_shard, r % dp_shard): a shard group is a block of consecutive ranks, which
-on a multi-node job means one node, so the heavy all-gathers and reduce-scatters stay on the fast
-intra-node links and only the replicas' all-reduce crosses nodes. One degree may be -1, meaning
-"the rest of the world".
+    pp            pipeline stages: each holds a slice of the layers, activations flow between them
+    dp_replicate  data-parallel replicas (ddp: all of data parallelism; fsdp: the hybrid replicas)
+    dp_shard      fsdp: ranks one replica's parameters, gradients and optimizer state are sharded over
+    tp            tensor parallel: each holds a slice of every weight matrix (heads, MLP columns)
+
+Rank r's coordinates are row-major over (pp, dp_replicate, dp_shard, tp): tp is the innermost
+dimension, so tensor-parallel peers are consecutive ranks (one node: their per-layer all-reduces stay
+on the fast intra-node links), then the shard groups, then the replicas; pipeline stages, which only
+pass activations to their neighbours, are the outermost. One degree may be -1, meaning "the rest of
+the world". Data sharding follows the data-parallel dimensions only: pipeline and tensor-parallel
+peers read the same batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class MeshError(ValueError):
@@ -21,42 +32,112 @@ class MeshError(ValueError):
 
 @dataclass(frozen=True)
 class MeshShape:
-    dp_replicate: int
-    dp_shard: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> MeshShape:
-        """Fill in a -1 degree and check that the degrees multiply to `world_size`."""
-        given = f"parallel.dp_replicate={dp_replicate}, parallel.dp_shard={dp_shard}"
-        for key, value in (("parallel.dp_replicate", dp_replicate), ("parallel.dp_shard", dp_shard)):
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        sharded: bool = True,
+    ) -> MeshShape:
+        """Fill in the -1 degree and check that the degrees multiply to `world_size`. `sharded`: the
+        data-parallel flavour is fsdp; otherwise data parallelism only replicates, and its degree is
+        dp_replicate × dp_shard, kept under dp_replicate."""
+        degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        given = ", ".join(f"parallel.{k}={v}" for k, v in degrees.items() if v != 1)
+        for key, value in degrees.items():
             if value == 0 or value < -1:
-                raise MeshError(f"{key}={value}: a degree is a positive number, or -1 to infer it")
-        if dp_replicate == -1 and dp_shard == -1:
-            raise MeshError(f"{given}: at most one degree can be -1 (inferred). Fix: set one of them.")
-        known = max(dp_replicate, 1) * max(dp_shard, 1)
-        if world_size % known:
+                raise MeshError(f"parallel.{key}={value}: a degree is a positive number, or -1 to infer it")
+        inferred = [k for k, v in degrees.items() if v == -1]
+        if len(inferred) > 1:
             raise MeshError(
-                f"{given} does not divide the world size {world_size}. "
-                f"Fix: degrees whose product is {world_size} (one may be -1)."
+                f"{given}: at most one degree can be -1 (inferred), got {len(inferred)} "
+                f"({', '.join('parallel.' + k for k in inferred)}). Fix: set all but one of them."
             )
-        replicate = world_size // known if dp_replicate == -1 else dp_replicate
-        shard = world_size // known if dp_shard == -1 else dp_shard
-        if replicate * shard != world_size:
+        known = math.prod(v for v in degrees.values() if v != -1)
+        if world_size % known or (not inferred and known != world_size):
+            shown = " × ".join(f"{k}={v}" for k, v in degrees.items() if v not in (-1, 1)) or "1"
             raise MeshError(
-                f"{given}: {replicate} × {shard} = {replicate * shard} ranks, but the world size is {world_size}. "
-                f"Fix: degrees whose product is {world_size}, e.g. --parallel.dp_shard=-1."
+                f"{given or 'the parallel degrees'}: {shown} = {known} ranks does not "
+                f"{'divide' if inferred else 'equal'} the world size {world_size}. Fix: degrees whose product is "
+                f"{world_size}, with one of them -1 to take the rest (e.g. --parallel.dp_shard=-1)."
             )
-        return cls(replicate, shard)
+        if inferred:
+            degrees[inferred[0]] = world_size // known
+        if not sharded:
+            degrees = {**degrees, "dp_replicate": degrees["dp_replicate"] * degrees["dp_shard"], "dp_shard": 1}
+        return cls(**degrees)
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dims(self) -> tuple[int, ...]:
-        """The mesh's shape: 2-D (replicate, shard) for hybrid sharding, 1-D (shard) otherwise."""
-        return (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp_shard,)
+    def world_size(self) -> int:
+        return self.pp * self.dp_size * self.tp
+
+    def describe(self) -> str:
+        return " × ".join(f"{name} {getattr(self, name)}" for name in DIMS if getattr(self, name) > 1) or "1 rank"
+
+
+class ParallelMesh:
+    """The DeviceMesh of a MeshShape (built collectively) and its named sub-meshes. Only dimensions
+    larger than 1 exist in the mesh, so no process groups of one rank are created."""
+
+    def __init__(self, shape: MeshShape, device_type: str) -> None:
+        self.shape = shape
+        names = tuple(name for name in DIMS if getattr(shape, name) > 1) or ("dp_shard",)
+        sizes = tuple(getattr(shape, name) for name in names)
+        self.mesh: DeviceMesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+    def _has(self, name: str) -> bool:
+        return name in (self.mesh.mesh_dim_names or ())
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along dimension `name` (0 for a dimension of size 1)."""
+        return self.mesh.get_local_rank(name) if self._has(name) else 0
 
     @property
-    def names(self) -> tuple[str, ...]:
-        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The data-parallel sub-mesh: (dp_replicate, dp_shard), or whichever of them exists."""
+        names = tuple(n for n in ("dp_replicate", "dp_shard") if self._has(n))
+        return self.mesh[names] if names else None
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """One process group over this rank's data-parallel replicas (both data-parallel dimensions);
+        None when there is one replica. Collective: every rank calls it."""
+        dp_mesh = self.dp_mesh
+        if dp_mesh is None:
+            return None
+        if dp_mesh.ndim == 1:
+            return dp_mesh.get_group()
+        # Ranks with equal pp and tp coordinates, i.e. the (dp_replicate, dp_shard) slices of the mesh.
+        ranks = self.mesh.mesh.reshape(self.shape.pp, self.shape.dp_size, self.shape.tp).transpose(1, 2)
+        group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, self.shape.dp_size).tolist())
+        return group
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp_replicate") * self.shape.dp_shard + self.coordinate("dp_shard")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self._has("tp") else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("pp") if self._has("pp") else None
+
+    def pp_peer(self, stage_rank: int) -> int:
+        """The global rank of this rank's pipeline peer at pipeline position `stage_rank`."""
+        group = self.pp_group
+        assert group is not None
+        return dist.get_global_rank(group, stage_rank)

@@ -1,4 +1,5 @@
-"""`single`: one process, one device, no wrapper. The reference every other strategy is compared with."""
+"""`single`: one model replica, no data-parallel wrapper. The reference every other strategy is compared
+with; with parallel.tp or parallel.pp, the one replica spans several ranks."""
 
 from __future__ import annotations
 

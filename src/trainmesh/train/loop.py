@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -80,11 +80,15 @@ def train(
     # Same seed on every rank for the initial weights (DDP also broadcasts rank 0's), then a
     # rank-specific stream so dropout masks differ across data-parallel replicas.
     seed_everything(config.run.seed)
-    raw_model = recipe.build_model(config)
-    flops_per_token = recipe.flops_per_token(raw_model)
-    model = runtime.setup(raw_model, blocks=recipe.blocks(raw_model))  # compiled per block with train.compile
-    optimizer = build_optimizer(raw_model, config.optim, runtime.device)  # after setup: fsdp shards parameters
-    seed_everything(config.run.seed + 1 + runtime.rank)
+    whole_model = recipe.build_model(config)
+    flops_per_token = recipe.flops_per_token(whole_model)
+    n_params = sum(p.numel() for p in whole_model.parameters())
+    model = runtime.setup(whole_model, plan=recipe.parallel_plan(whole_model))
+    # This rank's part of the model, outside any wrapper: all of it, its shards (fsdp, tp) or its
+    # pipeline stages. The optimizer is built after setup, on what setup left here.
+    raw_model = runtime.unwrap(model)
+    optimizer = build_optimizer(raw_model, config.optim, runtime.device)
+    seed_everything(config.run.seed + 1 + runtime.strategy.seed_rank)
 
     state = TrainerState(world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
     ckpt = config.checkpoint
@@ -115,14 +119,15 @@ def train(
             "%s; %d steps/epoch; %s parameters",
             plan.describe(),
             sampler.steps_per_epoch,
-            f"{sum(p.numel() for p in raw_model.parameters()):,}",
+            f"{n_params:,}",
         )
         if peak:
             log.info("MFU: %s", peak.describe())
 
+    objective = recipe.objective()
+
     def evaluate() -> float:
-        # On the raw model: ranks may hold unequal shares, and a wrapper's forward could hold collectives.
-        val_loss, val_extra = _evaluate(raw_model, val_set, eval_ids, recipe, runtime)
+        val_loss, val_extra = _evaluate(model, val_set, eval_ids, recipe, runtime)
         if writer:
             writer.write(state.step, {"val_loss": val_loss, **val_extra}, kind="val")
         return val_loss
@@ -151,11 +156,13 @@ def train(
 
         maybe_inject(step + 1, "data", runtime.rank, run_dir)  # test hook: a stuck data loader
         micro_batches = [next(data) for _ in range(plan.accum_steps)]
-        local_targets = sum(recipe.count_targets(mb) for mb in micro_batches)  # counted on the CPU
+        # Counted on the CPU, once per model replica (pipeline and tensor-parallel peers read the same batch).
+        local_targets = sum(recipe.count_targets(mb) for mb in micro_batches) if runtime.owns_loss else 0
         # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
         reduced = runtime.all_reduce_async([local_targets, float(preemption.requested)], "sum")
 
-        loss_fn = poison_loss(recipe.loss_sum, step + 1, runtime.rank, run_dir)  # test hook, see faults.py
+        loss = poison_loss(objective.loss, step + 1, runtime.rank, run_dir)  # test hook, see faults.py
+        step_objective = replace(objective, loss=loss)
 
         def scale(reduced: PendingReduce = reduced) -> float:  # bound to this step's count
             return loss_scale(reduced.result()[0], runtime.dp_size)
@@ -164,7 +171,7 @@ def train(
         for i, batch in enumerate(micro_batches):
             last = i == plan.accum_steps - 1
             with runtime.no_sync(model, enabled=not last):
-                step_loss += runtime.forward_backward(model, runtime.to_device(batch), loss_fn, scale)
+                step_loss += runtime.forward_backward(model, runtime.to_device(batch), step_objective, scale)
 
         grad_norm = runtime.clip_grad_norm(model, optimizer, tcfg.grad_clip)
         # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
@@ -236,7 +243,10 @@ def train(
         watchdog.beat(state.step)  # the final evaluation and save were progress too
         # The raw module shares the trained parameters and sits outside any DDP wrapper. Every rank runs
         # it (a sharded model's forward is collective); rank 0's result is the one reported.
-        sample = recipe.on_train_end(raw_model, config, runtime)
+        if runtime.strategy.holds_whole_model:
+            sample = recipe.on_train_end(raw_model, config, runtime)
+        elif runtime.is_main_process:
+            log.info("no sample: under pipeline parallelism no rank holds the whole model (export the checkpoint)")
     checkpointer.close()  # an async save in flight is committed, and durable, before we return
     if writer:
         writer.close()
@@ -267,15 +277,16 @@ def _evaluate(
     model: nn.Module, val_set: Dataset[Any], micro_batches: list[list[int]], recipe: Recipe, runtime: Runtime
 ) -> tuple[float, dict[str, float]]:
     """Mean validation loss over a fixed slice, weighted by targets across all ranks, and the recipe's
-    other metrics (`Recipe.eval_sums`, e.g. {"val_top1": accuracy}) as means over the same targets."""
+    other metrics (`Recipe.output_sums`, e.g. {"val_top1": accuracy}) as means over the same targets.
+    Only the rank that owns a replica's loss (Strategy.owns_loss) adds its sums and targets."""
     model.eval()
+    objective = recipe.objective()
     names = ("loss", *recipe.eval_metrics)  # declared up front: a rank may have no batches at all
     totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=runtime.device)  # (*sums, targets)
     for ids in micro_batches:
         batch = default_collate([val_set[i] for i in ids or [0]])  # []: a throwaway forward (padding)
-        with runtime.autocast():
-            sums = recipe.eval_sums(model, runtime.to_device(batch))
-        if ids:
+        sums = runtime.evaluate(model, runtime.to_device(batch), objective)
+        if ids and sums is not None:
             totals[-1] += recipe.count_targets(batch)
             for i, name in enumerate(names):
                 totals[i] += sums[name].double()

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 
 from trainmesh.config.validate import load_config
@@ -46,13 +45,13 @@ class IdLoggingRecipe(GPTRecipe):
         train, val = super().datasets()
         return IdTagged(train, TRAIN_SAMPLES), val
 
-    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
         if len(batch) == 3:  # a training micro-batch (validation batches carry no ids)
             x, y, ids = batch
             with self.log_file.open("a") as f:
                 f.write(json.dumps({"attempt": self.attempt, "ids": ids.tolist()}) + "\n")
             batch = (x, y)
-        return super().loss_sum(module, batch)
+        return super().split_batch(batch)
 
     def count_targets(self, batch: Any) -> int:
         return super().count_targets(batch[:2])

@@ -69,20 +69,23 @@ class GPTConfig(ModelConfig):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # Separate projections, so tensor parallelism can give each rank whole heads of q, k and v.
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scale = True  # type: ignore[assignment]  # GPT-2 init marker
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 × (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Q)
+        B, T, _ = x.shape
+        # (B, H, T, Q); H is this rank's share of the heads under tensor parallelism, hence -1
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, H, T, Q)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·Q)
         return self.resid_drop(self.proj(y))
 
 
@@ -138,14 +141,23 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
-        _, T = idx.shape  # (B, T)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    # The two ends of the network, also used by the pipeline stages that hold them (recipes/gpt/parallel.py).
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> embeddings (B, T, C)."""
+        _, T = idx.shape
         if self.cfg.block_size < T:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, T, C) -> logits (B, T, V)."""
+        return self.lm_head(self.ln_f(x))
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; without position embeddings by default (the MFU convention)."""
@@ -174,5 +186,5 @@ class GPT(nn.Module):
 def summed_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over non-ignored targets; the loop divides by the global count."""
     return F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

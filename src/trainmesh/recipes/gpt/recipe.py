@@ -15,6 +15,8 @@ from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
+from trainmesh.recipes.gpt.parallel import parallelize_gpt, pipeline_stage_gpt
+from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
@@ -62,9 +64,11 @@ class GPTRecipe(Recipe):
         assert self.corpus is not None, "prepare() first"
         return TokenWindows(self.corpus.train, self.block_size), TokenWindows(self.corpus.val, self.block_size)
 
-    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
-        x, y = batch  # (B, T), (B, T)
-        return summed_lm_loss(module(x), y)
+    def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
+
+    def parallel_plan(self, model: nn.Module) -> ParallelPlan:
+        return ParallelPlan(tensor_parallel=parallelize_gpt, pipeline_stage=pipeline_stage_gpt)
 
     def count_targets(self, batch: Any) -> int:
         return int((batch[1] != IGNORE_INDEX).sum())

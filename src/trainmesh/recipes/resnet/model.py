@@ -13,6 +13,7 @@ The model always holds plain `nn.BatchNorm2d`; synced statistics are applied fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -183,8 +184,50 @@ class ResNet(nn.Module):
                     nn.init.zeros_(m.bn3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stages(self.stem(x))  # (B, C', H', W')
-        return self.head(x.mean(dim=(2, 3)))  # global average pool -> (B, num_classes)
+        return self.classify(self.stages(self.stem(x)))
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """Features (B, C', H', W') -> logits (B, num_classes), by global average pooling and the head."""
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class ResNetStage(nn.Module):
+    """Pipeline stage `index` of `count`: the stem on the first, an even share of the residual blocks
+    (in order, across the model's stages), pooling and the head on the last. It shares the model's
+    submodules under the model's names (stages.<i>.<j>), so parameters and checkpoints are the model's."""
+
+    def __init__(self, model: ResNet, index: int, count: int) -> None:
+        super().__init__()
+        blocks = [
+            (str(i), str(j), block)
+            for i, stage in enumerate(model.stages)
+            for j, block in enumerate(cast(nn.Sequential, stage))
+        ]
+        if count > len(blocks):
+            raise ValueError(
+                f"model.depth={model.cfg.depth} has {len(blocks)} residual blocks, too few for {count} pipeline "
+                f"stages. Fix: a smaller parallel.pp, a schedule with one stage per rank, or a deeper model."
+            )
+        self.first, self.last = index == 0, index == count - 1
+        self._classify = model.classify if self.last else None
+        if self.first:
+            self.stem = model.stem
+        self.stages = nn.ModuleDict()
+        for i, j, block in blocks[index * len(blocks) // count : (index + 1) * len(blocks) // count]:
+            if i not in self.stages:
+                self.stages[i] = nn.ModuleDict()
+            cast(nn.ModuleDict, self.stages[i])[j] = block
+        if self.last:
+            self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: images (B, C, H, W); others: features. Last: logits (B, num_classes)."""
+        if self.first:
+            x = self.stem(x)
+        for stage in self.stages.values():
+            for block in cast(nn.ModuleDict, stage).values():
+                x = block(x)
+        return self._classify(x) if self._classify is not None else x
 
 
 def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
@@ -15,8 +16,9 @@ from trainmesh.config.schema import Config
 from trainmesh.layers import convert_sync_batchnorm
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.resnet.data import DIGITS_SOURCES, Augment, ImageData, folder_classes, load_image_data
-from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, count_macs
+from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, ResNetStage, count_macs
 from trainmesh.runtime.logging import get_logger
+from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
@@ -33,6 +35,7 @@ class ResNetRecipe(Recipe):
         self.data: ImageData | None = None
         self.device = torch.device("cpu")
         self.sync_batchnorm = False  # convert to SyncBatchNorm (norm=sync_batch with several dp ranks)
+        self.dp_group: dist.ProcessGroup | None = None  # ... over this group
         self.channels_last = False  # decided in build_model: CUDA only
 
     def complete_config(self, config: Config) -> None:
@@ -70,22 +73,17 @@ class ResNetRecipe(Recipe):
         self.device = runtime.device
         if runtime.is_main_process:
             log.info("%s", data.description)
-        if model.norm == "sync_batch":
-            # Statistics are synchronised over the data-parallel group, which today is the whole world.
-            if runtime.dp_size not in (1, runtime.world_size):
-                raise ValueError(
-                    f"model.norm='sync_batch' needs the data-parallel group, but {runtime.dp_size} of "
-                    f"{runtime.world_size} ranks are data-parallel, which is not supported yet. "
-                    "Fix: --model.norm=batch."
-                )
-            self.sync_batchnorm = runtime.dp_size > 1
+        if model.norm == "sync_batch" and runtime.dp_size > 1:
+            # Statistics are synchronised over the data-parallel replicas only (not pipeline peers).
+            self.sync_batchnorm = True
+            self.dp_group = runtime.data_parallel_group()
 
     def build_model(self, config: Config) -> nn.Module:
         cfg = config.model
         assert isinstance(cfg, ResNetConfig)
         model: nn.Module = ResNet(cfg)
         if self.sync_batchnorm:
-            model = convert_sync_batchnorm(model)  # default group: the world, the data-parallel group today
+            model = convert_sync_batchnorm(model, self.dp_group)  # None: the world
         elif cfg.norm == "sync_batch":
             log.info("model.norm=sync_batch with one data-parallel rank: plain BatchNorm (nothing to synchronise)")
         self.channels_last = cfg.channels_last and self.device.type == "cuda"
@@ -99,31 +97,30 @@ class ResNetRecipe(Recipe):
         assert self.data is not None, "prepare() first"
         return self.data.train, self.data.val
 
-    def _logits(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return module(x).float()  # (B, classes); the loss in fp32 under any precision
-
-    def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
         x, y = batch  # (B, C, S, S), (B,)
-        return F.cross_entropy(self._logits(module, x), y, reduction="sum")
+        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x), y
+
+    def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        return F.cross_entropy(output.float(), targets, reduction="sum")  # fp32 under any precision
 
     def count_targets(self, batch: Any) -> int:
         return int(batch[1].numel())
 
-    def eval_sums(self, module: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        x, y = batch
-        logits = self._logits(module, x)  # one forward for both the loss and the accuracy
-        return {
-            "loss": F.cross_entropy(logits, y, reduction="sum"),
-            "top1": (logits.argmax(dim=1) == y).sum(),
+    def output_sums(self, output: Any, targets: Any) -> dict[str, torch.Tensor]:
+        return {  # one forward for both the loss and the accuracy
+            "loss": self.output_loss(output, targets),
+            "top1": (output.argmax(dim=1) == targets).sum(),
         }
 
-    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
-        """The residual blocks of every stage."""
+    def parallel_plan(self, model: nn.Module) -> ParallelPlan:
+        """The blocks (the residual blocks of every stage) and the pipeline split (no tensor parallelism)."""
         if not isinstance(model, ResNet):
-            return None
-        return [block for stage in model.stages.children() for block in stage.children()]
+            return ParallelPlan()
+        return ParallelPlan(
+            blocks=[block for stage in model.stages.children() for block in stage.children()],
+            pipeline_stage=pipeline_stage_resnet,
+        )
 
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per sample: 3 × the forward's (backward ≈ 2 × forward), 2 FLOPs per MAC."""
@@ -131,3 +128,8 @@ class ResNetRecipe(Recipe):
             return 0.0
         cfg = model.cfg
         return 3.0 * 2.0 * count_macs(model, (1, cfg.in_channels, cfg.image_size, cfg.image_size))
+
+
+def pipeline_stage_resnet(model: nn.Module, index: int, count: int) -> nn.Module:
+    assert isinstance(model, ResNet)
+    return ResNetStage(model, index, count)

@@ -1,0 +1,103 @@
+"""How the GPT is cut for model parallelism, from outside the model code: a tensor-parallel plan and
+a pipeline split. The strategies apply them (strategies/plan.py); parameter names never change.
+
+Tensor parallel (Megatron-style, on a 1-D `tp` mesh of t ranks), per block:
+
+    attn.q, attn.k, attn.v   column-parallel: each rank computes n_head / t whole heads
+    attn.proj                row-parallel: partial outputs summed (one all-reduce)
+    mlp.fc                   column-parallel: 4C / t hidden units per rank
+    mlp.proj                 row-parallel: one all-reduce
+
+plus the vocabulary-parallel embedding and head (the tied weight sharded by rows on both), whose
+logits are gathered whole so the loss is the same on every rank. LayerNorms and position embeddings
+stay replicated. Forward and backward cost two all-reduces per block.
+
+Pipeline: stage i of n holds the token and position embeddings if i = 0, blocks
+[i·L/n, (i+1)·L/n), and the final norm and head if i = n-1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from trainmesh.recipes.gpt.model import GPT, GPTConfig
+from trainmesh.strategies.blocks import find_blocks
+
+BLOCK_PLAN = {
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "attn.proj": RowwiseParallel(),
+    "mlp.fc": ColwiseParallel(),
+    "mlp.proj": RowwiseParallel(),
+}
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
+    """The degrees a GPT can be cut into: whole heads and whole vocabulary rows per rank."""
+    for key, value in (("model.n_head", cfg.n_head), ("model.vocab_size", cfg.vocab_size)):
+        if value % tp:
+            raise ValueError(
+                f"{key}={value} cannot be split evenly over parallel.tp={tp} ranks. "
+                f"Fix: a parallel.tp that divides {value}, or change {key}."
+            )
+
+
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Apply tensor parallelism in place to a GPT or one of its pipeline stages."""
+    cfg = model.cfg
+    assert isinstance(cfg, GPTConfig)
+    check_tensor_parallel(cfg, mesh.size())
+    for block in find_blocks(model):
+        parallelize_module(block, mesh, BLOCK_PLAN)
+    wte, lm_head = getattr(model, "wte", None), getattr(model, "lm_head", None)
+    tied = isinstance(wte, nn.Embedding) and isinstance(lm_head, nn.Linear) and lm_head.weight is wte.weight
+    if isinstance(wte, nn.Embedding):  # token ids replicated in, embeddings summed over the vocabulary shards
+        parallelize_module(model, mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
+    if isinstance(lm_head, nn.Linear):  # logits gathered whole: the loss needs every vocabulary entry
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        if tied and isinstance(wte, nn.Embedding):  # both shard the (V, C) matrix by rows: one tensor again
+            lm_head.weight = wte.weight
+
+
+class GPTStage(nn.Module):
+    """Pipeline stage `index` of `count`. It shares the model's submodules under the model's names,
+    so its parameters, gradients and checkpoint keys are the model's."""
+
+    def __init__(self, model: GPT, index: int, count: int) -> None:
+        super().__init__()
+        n = model.cfg.n_layer
+        if count > n:
+            raise ValueError(
+                f"model.n_layer={n} blocks cannot fill {count} pipeline stages (parallel.pp × stages per rank). "
+                f"Fix: a smaller parallel.pp, a schedule with one stage per rank, or model.n_layer >= {count}."
+            )
+        self.cfg = model.cfg
+        self.first, self.last = index == 0, index == count - 1
+        self._embed: Callable[[torch.Tensor], torch.Tensor] | None = model.embed if self.first else None
+        self._head: Callable[[torch.Tensor], torch.Tensor] | None = model.head if self.last else None
+        if self.first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        lo, hi = index * n // count, (index + 1) * n // count
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if self.last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids (B, T); others: hidden states (B, T, C). Last: logits (B, T, V)."""
+        if self._embed is not None:
+            x = self._embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self._head(x) if self._head is not None else x
+
+
+def pipeline_stage_gpt(model: nn.Module, index: int, count: int) -> nn.Module:
+    assert isinstance(model, GPT)
+    return GPTStage(model, index, count)

@@ -1,0 +1,56 @@
+"""Gradient norm and clipping when gradients are split across ranks in more than one way.
+
+A model may hold plain tensors (replicated), DTensor shards over one mesh (fsdp) or another
+(tensor parallel, or both), and a pipeline stage holds only some of the layers. The global norm is
+sqrt(sum of squares over every element of every gradient, each counted once):
+
+    DTensors   grouped by (mesh, placements); each group's norm is completed over its mesh
+    plain      replicated on their peers, so counted as they are
+    stages     the squares of each stage's gradients are summed over the pipeline group
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def grad_norm(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of the gradients of `params`, completed over `group` (pipeline stages) if given."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=getattr(device, "type", device))
+    for same in groups.values():
+        norm = torch.nn.utils.get_total_norm(same)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += norm.double() ** 2
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt().float()
+
+
+def clip_gradients(
+    params: Sequence[torch.Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup | None = None,
+    counted: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Scale the gradients of `params` so their global norm is at most `max_norm` (<= 0: no clipping);
+    returns the norm before clipping. `counted`: the parameters that enter the norm, when some of
+    `params` are copies held elsewhere too (a weight tied across pipeline stages)."""
+    total = grad_norm(params if counted is None else counted, group)
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return total

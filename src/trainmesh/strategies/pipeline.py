@@ -1,0 +1,313 @@
+"""Pipeline parallelism (`parallel.pp > 1`) on `torch.distributed.pipelining`.
+
+The recipe cuts the model into stages (`ParallelPlan.pipeline_stage`; GPT: embeddings on the first,
+blocks spread evenly, final norm and head on the last; ResNet: stem, residual blocks, head). Each rank
+of a pipeline holds one stage, or several ("virtual" stages, for the interleaved and zero-bubble
+schedules), and passes activations to its neighbours. Every loop micro-batch is cut again into
+`parallel.pipeline.microbatches` pieces that flow through the stages on the chosen schedule:
+
+    gpipe                    all forwards, then all backwards           bubble (p-1)/(m+p-1)
+    1f1b                     one forward, one backward in steady state  same bubble, less memory
+    interleaved_1f1b         v stages per rank, round-robin             bubble (p-1)/(v·m+p-1)
+    looped_bfs               v stages per rank, breadth-first
+    interleaved_zero_bubble  interleaved, backward split into input and weight gradients
+    zbv_zero_bubble          two stages per rank in a V, zero-bubble
+    dualpipev                two stages per rank in a V, forward and backward of two micro-batches overlapped
+
+Each stage is wrapped by the data-parallel strategy (DDP or FSDP across pipeline replicas) after
+tensor parallelism and the block transforms: `setup_module` applies the same order to each stage.
+The loss is computed on the last stage: the loss function is the recipe's summed loss times the
+loop's scale, so gradients are those of the global mean (the schedule's own averaging is off).
+Parameters keep their names (the stages share the model's submodules), so checkpoints move freely
+between pipeline and any other strategy. A weight tied between the first and the last stage (GPT's
+embedding and head) lives on two ranks: its gradients are summed between them before clipping, so
+both copies take the same step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from trainmesh.precision import Precision
+from trainmesh.runtime.env import DistEnv
+from trainmesh.strategies.base import Objective, Strategy
+from trainmesh.strategies.gradients import clip_gradients
+from trainmesh.strategies.mesh import ParallelMesh
+from trainmesh.strategies.plan import ParallelPlan
+
+# our name: (torch's schedule name, stages per rank, placement of stages on ranks)
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "gpipe": ("GPipe", 1, "loop"),
+    "1f1b": ("1F1B", 1, "loop"),
+    "interleaved_1f1b": ("Interleaved1F1B", 2, "loop"),
+    "looped_bfs": ("LoopedBFS", 2, "loop"),
+    "interleaved_zero_bubble": ("InterleavedZeroBubble", 2, "loop"),
+    "zbv_zero_bubble": ("ZBVZeroBubble", 2, "v"),
+    "dualpipev": ("DualPipeV", 2, "v"),
+}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+@dataclass
+class PipelineOptions:
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    """Pieces each loop micro-batch is cut into (m); train.micro_batch must be a multiple."""
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+
+    @property
+    def collective_forward(self) -> bool:
+        return True
+
+    def __init__(
+        self, env: DistEnv, device: torch.device, mesh: ParallelMesh, inner: Strategy, options: PipelineOptions
+    ) -> None:
+        super().__init__(env, device, inner.block_options, mesh)
+        if options.schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pipeline.schedule={options.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.inner, self.options = inner, options
+        self.pp, self.pp_rank = mesh.shape.pp, mesh.coordinate("pp")
+        _, per_rank, style = SCHEDULES[options.schedule]
+        self.num_stages = self.pp * per_rank
+        if style == "v":  # rank r holds stages r and 2p-1-r
+            self.stage_ids = [self.pp_rank, self.num_stages - 1 - self.pp_rank]
+        else:  # rank r holds stages r, r+p, r+2p, ...
+            self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp))
+        self._stages: dict[int, nn.Module] = {}  # stage index -> its (wrapped) module, this rank's only
+        self.pipeline_stages: list[PipelineStage] = []
+        """torch's PipelineStage objects of this rank, in stage order (e.g. to time their compute)."""
+        self._schedule: Any = None
+        self._step_losses: list[torch.Tensor] = []
+        self._loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, bool]] = []
+        self._inferred = False  # whether the schedule has run once (and learned the stages' shapes)
+
+    @property
+    def dp_size(self) -> int:
+        return self.inner.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.inner.dp_rank
+
+    @property
+    def owns_loss(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids and self.inner.owns_loss
+
+    @property
+    def holds_whole_model(self) -> bool:
+        return False
+
+    def _stage_rank(self, stage: int) -> int:
+        """The pipeline position (0..pp-1) of the rank that runs `stage`."""
+        if SCHEDULES[self.options.schedule][2] == "v":
+            return stage if stage < self.pp else self.num_stages - 1 - stage
+        return stage % self.pp
+
+    # -- model --------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module, plan: ParallelPlan | None = None) -> nn.Module:
+        """Build this rank's stages, give each tensor parallelism, block transforms and the data-parallel
+        wrapper, and the schedule; returns one module that holds this rank's parameters under their
+        original names (for the optimizer and checkpoints)."""
+        if plan is None or plan.pipeline_stage is None:
+            raise ValueError(
+                f"parallel.pp={self.pp}, but this recipe cannot be cut into pipeline stages. Fix: --parallel.pp=1."
+            )
+        tied = _tied_names(module)
+        parts: list[nn.Module] = []
+        for index in self.stage_ids:
+            stage = plan.pipeline_stage(module, index, self.num_stages)
+            parts.append(stage)
+            inside = {id(m) for m in stage.modules()}  # the plan's blocks that this stage holds
+            blocks = None if plan.blocks is None else [b for b in plan.blocks if id(b) in inside]
+            stage_plan = ParallelPlan(blocks=blocks, tensor_parallel=plan.tensor_parallel)
+            self._stages[index] = self.inner.setup_module(stage, stage_plan)
+        held = _merge(parts)
+        self._build_schedule()
+        self._tie_across_stages(held, tied)
+        return held
+
+    def _build_schedule(self) -> None:
+        torch_name, per_rank, _ = SCHEDULES[self.options.schedule]
+        group = self.mesh.pp_group if self.mesh else None
+        stages = [PipelineStage(self._stages[i], i, self.num_stages, self.device, group=group) for i in self.stage_ids]
+        self.pipeline_stages = stages
+        schedule_class = get_schedule_class(torch_name)
+        self._schedule = schedule_class(
+            stages if per_rank > 1 else stages[0],
+            n_microbatches=self.options.microbatches,
+            loss_fn=self._stage_loss,
+            scale_grads=False,  # our loss already carries the global-mean scale
+        )
+
+    def _stage_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        assert self._loss is not None
+        return self._loss(output, targets)
+
+    def _tie_across_stages(self, held: nn.Module, tied: list[list[str]]) -> None:
+        """Find weights tied across ranks of the pipeline (held under different names on different
+        ranks) and make a group of those ranks, for every pipeline of the mesh, to sum their gradients."""
+        assert self.mesh is not None and self.mesh.pp_group is not None
+        names = dict(held.named_parameters(remove_duplicate=False))
+        mine = [[name for name in group if name in names] for group in tied]
+        everyone: list[Any] = [None] * self.pp
+        dist.all_gather_object(everyone, [bool(m) for m in mine], group=self.mesh.pp_group)
+        pipelines = self.mesh.mesh.mesh.reshape(self.pp, -1)  # (pp position, one column per pipeline)
+        for i, names_here in enumerate(mine):
+            holders = [r for r in range(self.pp) if everyone[r][i]]
+            if len(holders) < 2:
+                continue
+            ranks = [[int(pipelines[h, col]) for h in holders] for col in range(pipelines.shape[1])]
+            group, _ = dist.new_subgroups_by_enumeration(ranks)  # collective: every rank makes every group
+            if names_here:
+                self._tied.append(([names[names_here[0]]], group, self.pp_rank == holders[0]))
+
+    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        raise AssertionError("each stage is wrapped by the data-parallel strategy, in setup_module")
+
+    # -- one step -----------------------------------------------------------------------------------
+    def forward_backward(
+        self, module: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float], precision: Precision
+    ) -> torch.Tensor:
+        """One pass of the schedule over the micro-batch (cut into `microbatches` pieces); returns the
+        summed loss on the rank that owns it, zero elsewhere."""
+        del module
+        inputs, targets = objective.split(batch)
+        losses: list[torch.Tensor] = []
+
+        def loss(output: Any, targets: Any) -> torch.Tensor:
+            summed = objective.loss(output, targets)
+            losses.append(summed.detach())
+            return summed * scale()
+
+        self._loss = loss
+        hooks = [] if self._inferred else self._infer_shapes_in_eval_mode()
+        with precision.autocast():
+            if 0 in self.stage_ids:
+                self._schedule.step(inputs, target=targets)
+            else:
+                self._schedule.step(target=targets)
+        for hook in hooks:
+            hook.remove()
+        self._inferred, self._loss = True, None
+        total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        return total if self.owns_loss else torch.zeros_like(total)
+
+    def _infer_shapes_in_eval_mode(self) -> list[RemovableHandle]:
+        """torch's PipelineStage learns the shapes passed between stages in the first step, by one
+        forward of each stage, on uninitialised tensors for all but the first stage. Run that forward in
+        eval mode, so it leaves no trace: batch-norm statistics are not updated (they would turn to
+        NaN) and dropout draws no random numbers."""
+        hooks = []
+        for module in self._stages.values():
+            first = [True]
+
+            def to_eval(mod: nn.Module, args: Any, first: list[bool] = first) -> None:
+                if first[0]:
+                    mod.eval()
+
+            def back_to_train(mod: nn.Module, args: Any, output: Any, first: list[bool] = first) -> None:
+                if first[0]:
+                    first[0] = False
+                    mod.train()
+
+            hooks += [module.register_forward_pre_hook(to_eval), module.register_forward_hook(back_to_train)]
+        return hooks
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
+        """Sum the gradients of weights tied across stages, then clip by the norm over all stages."""
+        params = [p for p in module.parameters() if p.grad is not None]
+        duplicates: set[int] = set()
+        for tied_params, group, counts_here in self._tied:
+            for p in tied_params:
+                if p.grad is None:
+                    continue
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=group)
+                if not counts_here:
+                    duplicates.add(id(p))
+        counted = [p for p in params if id(p) not in duplicates]
+        assert self.mesh is not None
+        return clip_gradients(params, max_norm, group=self.mesh.pp_group, counted=counted)
+
+    @torch.no_grad()
+    def evaluate(
+        self, module: nn.Module, batch: Any, objective: Objective, precision: Precision
+    ) -> dict[str, torch.Tensor] | None:
+        """A forward through the stages in order, passing activations point to point (any batch shape,
+        unlike a schedule); the last stage computes the sums."""
+        del module
+        inputs, targets = objective.split(batch)
+        x: Any = inputs
+        with precision.autocast():
+            for stage in range(self.num_stages):
+                owner = self._stage_rank(stage)
+                if owner != self.pp_rank:
+                    continue
+                if stage > 0 and self._stage_rank(stage - 1) != owner:
+                    x = self._recv(self._stage_rank(stage - 1))
+                x = self.inner.unwrap(self._stages[stage])(x)
+                if stage < self.num_stages - 1 and self._stage_rank(stage + 1) != owner:
+                    self._send(x, self._stage_rank(stage + 1))
+            if self.owns_loss:
+                return objective.sums(x, targets)
+        return None
+
+    def _send(self, tensor: torch.Tensor, pp_rank: int) -> None:
+        assert self.mesh is not None and tensor.dim() <= 6
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        peer = self.mesh.pp_peer(pp_rank)
+        dist.send(header.to(self.device), dst=peer)
+        dist.send(tensor.contiguous(), dst=peer)
+
+    def _recv(self, pp_rank: int) -> torch.Tensor:
+        assert self.mesh is not None
+        peer = self.mesh.pp_peer(pp_rank)
+        header = torch.zeros(8, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=peer)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+        dist.recv(tensor, src=peer)
+        return tensor
+
+
+def _tied_names(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. GPT's wte.weight and lm_head.weight)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _merge(parts: list[nn.Module]) -> nn.Module:
+    """One module holding the submodules of all `parts` under their names (containers merged), so
+    parameter names are those of the whole model."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            current = getattr(merged, name, None)
+            if current is None or current is child:
+                merged.add_module(name, child)
+            elif isinstance(current, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                merged.add_module(name, nn.ModuleDict({**current, **child}))
+            else:
+                raise ValueError(f"pipeline stages on one rank both hold a different {name!r}")
+    return merged

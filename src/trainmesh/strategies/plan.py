@@ -1,0 +1,35 @@
+"""`ParallelPlan`: what a recipe tells the strategies about its model's structure.
+
+Model code knows nothing of parallelism. The recipe describes, from outside, how its model is cut:
+
+    blocks           the repeated units, checkpointed, compiled and sharded one by one
+    tensor_parallel  a function that turns the weights of one model (or pipeline stage) into
+                     tensor-parallel DTensors on a 1-D mesh (e.g. recipes/gpt/parallel.py)
+    pipeline_stage   a function that builds pipeline stage `i` of `n` as a module that shares the
+                     model's submodules and keeps their parameter names (so checkpoints are the same
+                     for every strategy)
+
+They are applied in a fixed order (strategies/base.py): pipeline split, tensor parallel, activation
+checkpointing, torch.compile, then the data-parallel wrapper (DDP or FSDP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+TensorParallelPlan = Callable[[nn.Module, DeviceMesh], None]
+PipelineSplit = Callable[[nn.Module, int, int], nn.Module]  # (model, stage index, number of stages)
+
+
+@dataclass
+class ParallelPlan:
+    blocks: list[nn.Module] | None = None
+    """The model's repeated units; None: the modules in its nn.ModuleLists / nn.ModuleDicts."""
+    tensor_parallel: TensorParallelPlan | None = None
+    """Applies tensor parallelism in place (needed for parallel.tp > 1)."""
+    pipeline_stage: PipelineSplit | None = None
+    """Builds one pipeline stage (needed for parallel.pp > 1)."""

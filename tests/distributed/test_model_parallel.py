@@ -107,3 +107,20 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path: Path) -> None:
     resumed = [*steps[:-2], "--run.name=cut", "--checkpoint.resume=true", "--parallel.strategy=single"]
     single = run_distributed(train_rank, 1, args=(str(tmp_path), resumed))[0]
     _assert_matches([single], {**full[0], "params": _whole(list(full))}, "pp 2 -> single")
+
+
+@pytest.mark.timeout(300)
+def test_models_built_on_the_meta_device_train_like_whole_ones(reference: dict[str, Any], tmp_path: Path) -> None:
+    """parallel.meta_init=true: each rank gives storage only to its shards or stages and initialises
+    them from per-parameter random streams, so training matches the whole model built on one process."""
+    meta = "--parallel.meta_init=true"
+    runs = {
+        "fsdp 4, meta": ["--parallel.strategy=fsdp", "--train.micro_batch=2"],
+        "pp 2 × tp 2, meta": [*PP, "--parallel.tp=2", "--train.micro_batch=8"],
+    }
+    overrides = [[*BASE, meta, *extra, f"--run.name=m{i}"] for i, extra in enumerate(runs.values())]
+    per_rank = run_distributed(train_rank_runs, 4, args=(str(tmp_path), overrides), timeout_s=280)
+    for i, name in enumerate(runs):
+        ranks = [results[i] for results in per_rank]
+        _assert_matches(ranks, reference, name)
+        assert "blocks.0.attn.q.weight" in ranks[0]["sharded"], name

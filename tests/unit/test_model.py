@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from trainmesh.recipes.gpt.model import GPT, SIZES, GPTConfig, summed_lm_loss
+from trainmesh.recipes.gpt.model import GPT, SIZES, GPTConfig, init_gpt_weights, summed_lm_loss
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies import ParallelPlan
 
 
 def _nano(**kw: object) -> GPT:
@@ -64,3 +66,23 @@ def test_generate_extends_the_prompt() -> None:
 def test_sequence_longer_than_block_size() -> None:
     with pytest.raises(ValueError, match="exceeds model.block_size=16"):
         _nano()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_a_gpt_built_on_the_meta_device_is_initialised_like_a_whole_one() -> None:
+    """init_gpt_weights draws each parameter from its own stream: the same weights whether the model
+    is built whole or on the meta device and materialised by the strategy (parallel.meta_init)."""
+    cfg = GPTConfig(size="nano", vocab_size=64, block_size=16)
+    whole = GPT(cfg, seed=7)
+    with torch.device("meta"):
+        late = GPT(cfg, seed=7)
+    assert all(p.is_meta for p in late.parameters())
+    plan = ParallelPlan(init_weights=lambda part: init_gpt_weights(part, seed=7))
+    late = Runtime(strategy="single", device="cpu").setup(late, plan=plan)
+    assert late.lm_head.weight is late.wte.weight  # still one tensor
+    for (name, p), q in zip(whole.named_parameters(), late.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(whole.wte.weight, GPT(cfg, seed=8).wte.weight)
+    with torch.device("meta"):
+        uninitialisable = GPT(cfg)
+    with pytest.raises(ValueError, match=r"meta device.*--parallel.meta_init=false"):
+        Runtime(strategy="single", device="cpu").setup(uninitialisable)

@@ -126,6 +126,9 @@ class ParallelConfig:
     """Data-parallel replicas (fsdp: hybrid sharding, all-reduce across replicas); -1: infer."""
     dp_shard: int = -1
     """fsdp: ranks each replica is sharded over (ddp: more replicas); -1: world / (pp × tp × dp_replicate)."""
+    meta_init: bool = False
+    """Build the model on the meta device and give storage only to what this rank holds after sharding
+    (fsdp, tp, pp), then initialise it: for a model larger than one rank's memory. Same weights either way."""
     activation_checkpointing: int = 0
     """Recompute every Nth block's activations in backward instead of storing them (1: all; 0: none)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)

@@ -101,6 +101,13 @@ class Strategy(ABC):
         place and wrap the model; returns the module to train. The order is fixed, see plan.py."""
         plan = plan or ParallelPlan()
         blocks = find_blocks(module) if plan.blocks is None else plan.blocks
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta and plan.init_weights is None:
+            raise ValueError(
+                "the model was built on the meta device (parallel.meta_init=true), but nothing initialises "
+                "its weights afterwards. Fix: --parallel.meta_init=false, or give the recipe's ParallelPlan "
+                "an init_weights function."
+            )
         tp_mesh = self.mesh.tp_mesh if self.mesh else None
         if tp_mesh is not None:
             if plan.tensor_parallel is None:
@@ -108,10 +115,42 @@ class Strategy(ABC):
                     f"parallel.tp={tp_mesh.size()}, but this recipe has no tensor-parallel plan. "
                     "Fix: --parallel.tp=1 (use parallel.dp_shard or parallel.pp to spread the model instead)."
                 )
-            module.to(self.device)
+            if not on_meta:
+                module.to(self.device)
             plan.tensor_parallel(module, tp_mesh)
         transform_blocks(module, blocks, self.block_options)
-        return self.wrap(module, blocks)
+        if on_meta and not self.shards_parameters:  # DDP broadcasts real weights when it wraps
+            self._materialize(module, plan)
+        wrapped = self.wrap(module, blocks)
+        if on_meta and self.shards_parameters:  # storage for this rank's shards only
+            self._materialize(module, plan)
+        return wrapped
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether `wrap` replaces parameters by shards (then a meta model is materialised after it)."""
+        return False
+
+    @property
+    def materialize_device(self) -> torch.device:
+        """Where the parameters of a model built on the meta device get their storage."""
+        return self.device
+
+    def _materialize(self, module: nn.Module, plan: ParallelPlan) -> None:
+        """Storage for the meta parameters, then their initial values. `to_empty` makes one tensor per
+        module, so parameters shared between modules (tied weights) are tied again."""
+        assert plan.init_weights is not None
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                holders.setdefault(id(param), []).append((owner, name))
+        module.to_empty(device=self.materialize_device)
+        for (first_owner, first_name), *others in (h for h in holders.values() if len(h) > 1):
+            shared = getattr(first_owner, first_name)
+            for owner, name in others:
+                if getattr(owner, name) is not shared:
+                    setattr(owner, name, shared)
+        plan.init_weights(module)
 
     @abstractmethod
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:

@@ -65,8 +65,16 @@ class FSDPStrategy(Strategy):
         super().__init__(env, device, blocks, mesh)
         self.options, self.param_dtype = options, param_dtype
 
+    @property
+    def shards_parameters(self) -> bool:
+        return True
+
+    @property
+    def materialize_device(self) -> torch.device:
+        return torch.device("cpu") if self.options.cpu_offload else self.device
+
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
-        if not self.options.cpu_offload:
+        if not self.options.cpu_offload and not any(p.is_meta for p in module.parameters()):
             module = module.to(self.device)
         assert self.mesh is not None
         dp_mesh = self.mesh.dp_mesh

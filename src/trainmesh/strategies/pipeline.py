@@ -134,7 +134,7 @@ class PipelineStrategy(Strategy):
             parts.append(stage)
             inside = {id(m) for m in stage.modules()}  # the plan's blocks that this stage holds
             blocks = None if plan.blocks is None else [b for b in plan.blocks if id(b) in inside]
-            stage_plan = ParallelPlan(blocks=blocks, tensor_parallel=plan.tensor_parallel)
+            stage_plan = ParallelPlan(blocks, plan.tensor_parallel, init_weights=plan.init_weights)
             self._stages[index] = self.inner.setup_module(stage, stage_plan)
         held = _merge(parts)
         self._build_schedule()
@@ -236,6 +236,10 @@ class PipelineStrategy(Strategy):
             for p in tied_params:
                 if p.grad is None:
                     continue
+                if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # e.g. a vocabulary-parallel embedding's gradient comes back replicated: take this
+                    # rank's rows, so both holders all-reduce the same part
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(grad, group=group)
                 if not counts_here:

@@ -8,9 +8,12 @@ Model code knows nothing of parallelism. The recipe describes, from outside, how
     pipeline_stage   a function that builds pipeline stage `i` of `n` as a module that shares the
                      model's submodules and keeps their parameter names (so checkpoints are the same
                      for every strategy)
+    init_weights     initialises a model, or any part of it, in place: needed for a model built on the
+                     meta device, which gets real storage only for what this rank holds after sharding
 
 They are applied in a fixed order (strategies/base.py): pipeline split, tensor parallel, activation
-checkpointing, torch.compile, then the data-parallel wrapper (DDP or FSDP).
+checkpointing, torch.compile, then the data-parallel wrapper (DDP or FSDP). A model built on the meta
+device is materialised and initialised after sharding (fsdp) or just before the wrapper (the others).
 """
 
 from __future__ import annotations
@@ -33,3 +36,5 @@ class ParallelPlan:
     """Applies tensor parallelism in place (needed for parallel.tp > 1)."""
     pipeline_stage: PipelineSplit | None = None
     """Builds one pipeline stage (needed for parallel.pp > 1)."""
+    init_weights: Callable[[nn.Module], None] | None = None
+    """Initialises the parameters of a model or a part of one (needed for a model on the meta device)."""

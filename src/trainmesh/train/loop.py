@@ -12,6 +12,7 @@ no branch on either.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sized
@@ -80,7 +81,8 @@ def train(
     # Same seed on every rank for the initial weights (DDP also broadcasts rank 0's), then a
     # rank-specific stream so dropout masks differ across data-parallel replicas.
     seed_everything(config.run.seed)
-    whole_model = recipe.build_model(config)
+    with torch.device("meta") if config.parallel.meta_init else contextlib.nullcontext():
+        whole_model = recipe.build_model(config)  # on meta: shapes only, no storage until setup
     flops_per_token = recipe.flops_per_token(whole_model)
     n_params = sum(p.numel() for p in whole_model.parameters())
     model = runtime.setup(whole_model, plan=recipe.parallel_plan(whole_model))

@@ -7,11 +7,13 @@ Model code knows nothing of parallelism; strategies wrap it from outside.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional as F
 
 from trainmesh.config.schema import ModelConfig
@@ -115,7 +117,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, seed: int | None = None) -> None:
+        """`seed`: of the initial weights (default: torch's current seed). Built on the meta device
+        (`with torch.device("meta")`), the weights are left to `init_gpt_weights`, after sharding."""
         super().__init__()
         assert cfg.vocab_size > 0, "vocab_size must be resolved (from the tokenizer) before building"
         self.cfg = cfg
@@ -126,18 +130,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "residual_scale", False):
-                std /= math.sqrt(2 * self.cfg.n_layer)  # keeps the residual stream's variance flat
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_gpt_weights(self, torch.initial_seed() if seed is None else seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
@@ -181,6 +174,48 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)  # (B, 1)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+def init_gpt_weights(module: nn.Module, seed: int) -> None:
+    """GPT-2's initialisation of a GPT or any part of one (a pipeline stage, a sharded model).
+
+    Every parameter draws from its own random stream, seeded by (seed, parameter name), so the values
+    do not depend on how the model is cut: the whole model, its pipeline stages and its shards get the
+    same weights (a DTensor receives this rank's part of the same full tensor; the full tensor is made
+    one parameter at a time). The head is tied to the token embedding and draws from its stream.
+    Parameters still on the meta device are skipped.
+    """
+    configs = [cfg for m in module.modules() if isinstance(cfg := getattr(m, "cfg", None), GPTConfig)]
+    n_layer = configs[0].n_layer  # a GPT or a GPTStage carries its config
+    with torch.no_grad():
+        for prefix, owner in module.named_modules():
+            for short, param in owner.named_parameters(recurse=False):
+                if param.is_meta:
+                    continue
+                name = f"{prefix}.{short}" if prefix else short
+                name = "wte.weight" if name.endswith("lm_head.weight") else name
+                _fill(param, _initial_value(owner, short, tuple(param.shape), seed, name, n_layer))
+
+
+def _initial_value(
+    owner: nn.Module, short: str, shape: tuple[int, ...], seed: int, name: str, n_layer: int
+) -> torch.Tensor:
+    if isinstance(owner, nn.LayerNorm) or short == "bias":
+        return torch.ones(shape) if short == "weight" and isinstance(owner, nn.LayerNorm) else torch.zeros(shape)
+    std = 0.02
+    if getattr(owner, "residual_scale", False):
+        std /= math.sqrt(2 * n_layer)  # keeps the residual stream's variance flat
+    stream = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
+    return torch.randn(shape, generator=torch.Generator().manual_seed(stream >> 1)) * std
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` into `param`, or this rank's part of it when `param` is a DTensor."""
+    if isinstance(param, DTensor):
+        part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(part)
+    else:
+        param.copy_(full)
 
 
 def summed_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from trainmesh.data.corpus import TokenCorpus, default_cache_dir, embedded_files
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Recipe
-from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
+from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_weights, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import parallelize_gpt, pipeline_stage_gpt
 from trainmesh.strategies.plan import ParallelPlan
 
@@ -29,6 +29,7 @@ class GPTRecipe(Recipe):
     def __init__(self) -> None:
         self.corpus: TokenCorpus | None = None
         self.block_size = 0
+        self.seed = 0
 
     def tokens_per_sample(self, model: ModelConfig) -> int:
         assert isinstance(model, GPTConfig)
@@ -58,7 +59,8 @@ class GPTRecipe(Recipe):
 
     def build_model(self, config: Config) -> nn.Module:
         assert isinstance(config.model, GPTConfig)
-        return GPT(config.model)
+        self.seed = config.run.seed  # of the initial weights, also for init_weights after a meta build
+        return GPT(config.model, self.seed)
 
     def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
         assert self.corpus is not None, "prepare() first"
@@ -68,7 +70,12 @@ class GPTRecipe(Recipe):
         return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
-        return ParallelPlan(tensor_parallel=parallelize_gpt, pipeline_stage=pipeline_stage_gpt)
+        seed = self.seed
+        return ParallelPlan(
+            tensor_parallel=parallelize_gpt,
+            pipeline_stage=pipeline_stage_gpt,
+            init_weights=lambda part: init_gpt_weights(part, seed),
+        )
 
     def count_targets(self, batch: Any) -> int:
         return int((batch[1] != IGNORE_INDEX).sum())

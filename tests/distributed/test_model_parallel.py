@@ -1,7 +1,7 @@
 """Pipeline and tensor parallelism equal one process: every pipeline schedule, pipeline × DDP and
 pipeline × FSDP, tensor parallel alone, TP × FSDP (2-D) and PP × FSDP × TP (3-D) reach the parameters
 of a single process on the same global batch after 4 AdamW steps (fp32, nano GPT with 4 blocks), and
-report the same loss. A pipeline checkpoint resumes in one process and continues to the same result.
+report the same loss. Checkpoints move between pipeline, tensor parallel and one process.
 
 Tolerance: atol 1e-4, rtol 1e-4. The arithmetic differs in summation order (micro-batches of the
 schedule, partial sums of the row-parallel layers), and Adam divides by the root of the second moment,
@@ -10,6 +10,7 @@ so a parameter whose gradient is near zero can move by up to a few 1e-5 differen
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +99,27 @@ def test_three_dimensions_pp_fsdp_tp_on_8_ranks(reference: dict[str, Any], tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path: Path) -> None:
-    """Saved by 2 pipeline stages at step 2, resumed by one process: the result equals the
-    uninterrupted pipeline run (DCP reads each stage's parameters by name)."""
-    steps = [*BASE, "--train.micro_batch=8", "--checkpoint.every=2", *PP]
-    runs = [[*steps, "--run.name=full"], [*steps, "--run.name=cut", "--train.max_steps=2"]]
-    full, _ = zip(*run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs)), strict=True)
-    resumed = [*steps[:-2], "--run.name=cut", "--checkpoint.resume=true", "--parallel.strategy=single"]
+def test_checkpoints_move_between_pipeline_tensor_parallel_and_one_process(tmp_path: Path) -> None:
+    """Saved by 2 pipeline stages at step 2, resumed by one process; saved by 2 tensor-parallel ranks at
+    step 2, resumed by 2 pipeline stages: each continuation equals the uninterrupted pipeline run (DCP
+    reads every parameter by name, whole or in parts)."""
+    steps = [*BASE, "--train.micro_batch=8", "--checkpoint.every=2"]
+    cut = "--train.max_steps=2", "--checkpoint.final=true"  # stopped after step 2, with its checkpoint
+    runs = [
+        [*steps, *PP, "--run.name=full"],
+        [*steps, *PP, "--run.name=pp-cut", *cut],
+        [*steps, "--parallel.tp=2", "--run.name=tp-cut", *cut],
+        [*steps, *PP, "--run.name=tp-cut", "--checkpoint.resume=true"],
+    ]
+    full, _, _, from_tp = zip(*run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs)), strict=True)
+    uninterrupted = {**full[0], "params": _whole(list(full))}
+    _assert_matches(list(from_tp), uninterrupted, "tp 2 -> pp 2")
+    resumed = [*steps, "--run.name=pp-cut", "--checkpoint.resume=true", "--parallel.strategy=single"]
     single = run_distributed(train_rank, 1, args=(str(tmp_path), resumed))[0]
-    _assert_matches([single], {**full[0], "params": _whole(list(full))}, "pp 2 -> single")
+    _assert_matches([single], uninterrupted, "pp 2 -> single")
+    for name in ("tp-cut", "pp-cut"):  # each continued from step 2 (a fresh start would log 1, 2 again)
+        records = [json.loads(r) for r in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4], name
 
 
 @pytest.mark.timeout(300)

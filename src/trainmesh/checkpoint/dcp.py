@@ -59,7 +59,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
     state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
-    _check_matches(path, model_state)
+    ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    if not runtime.strategy.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
+        ours = {key: shape for part in runtime.all_gather_object(ours) for key, shape in part.items()}
+    _check_matches(path, ours)
     loaded = {"model": model_state, "optim": optim_state}
     with single_process_quiet():
         dcp.load(loaded, checkpoint_id=str(path))
@@ -85,14 +88,14 @@ def saved_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def _check_matches(path: Path, model_state: dict[str, Any]) -> None:
-    """Compare parameter names and shapes with the checkpoint's metadata before loading anything."""
+def _check_matches(path: Path, ours: dict[str, tuple[int, ...]]) -> None:
+    """Compare the model's parameter names and (global) shapes with the checkpoint's metadata before
+    loading anything."""
     saved = {
         key.removeprefix("model."): tuple(meta.size)
         for key, meta in saved_tensors(path).items()  # verified against the manifest already
         if key.startswith("model.")
     }
-    ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
     missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
     common = sorted(ours.keys() & saved.keys())
     shapes = [f"{k}: {saved[k]} in the checkpoint, {ours[k]} in the model" for k in common if saved[k] != ours[k]]

@@ -95,6 +95,7 @@ class PipelineStrategy(Strategy):
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, bool]] = []
         self._inferred = False  # whether the schedule has run once (and learned the stages' shapes)
+        self._canonical: dict[str, str] = {}  # this rank's name of a tied weight -> the whole model's
 
     @property
     def dp_size(self) -> int:
@@ -139,6 +140,11 @@ class PipelineStrategy(Strategy):
         held = _merge(parts)
         self._build_schedule()
         self._tie_across_stages(held, tied)
+        # A tied weight held here under another name than the whole model's (the last stage's
+        # lm_head.weight for wte.weight) keeps its optimizer state under the whole model's name in
+        # checkpoints, so they load into any strategy.
+        local = set(dict(held.named_parameters()))
+        self._canonical = {name: group[0] for group in tied if group[0] not in local for name in group if name in local}
         return held
 
     def _build_schedule(self) -> None:
@@ -178,6 +184,21 @@ class PipelineStrategy(Strategy):
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         raise AssertionError("each stage is wrapped by the data-parallel strategy, in setup_module")
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dicts(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        model_state, optim_state = super().state_dicts(module, optimizer)
+        return model_state, _renamed(optim_state, self._canonical)
+
+    def load_state_dicts(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+    ) -> None:
+        local = {canonical: name for name, canonical in self._canonical.items()}
+        super().load_state_dicts(module, optimizer, model_state, _renamed(optim_state, local))
 
     # -- one step -----------------------------------------------------------------------------------
     def forward_backward(
@@ -297,6 +318,18 @@ def _tied_names(module: nn.Module) -> list[list[str]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def _renamed(optim_state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An optimizer state dict (keyed by parameter name) with parameters renamed by `names`."""
+    if not names:
+        return optim_state
+    groups = [{**group, "params": [names.get(p, p) for p in group["params"]]} for group in optim_state["param_groups"]]
+    return {
+        **optim_state,
+        "state": {names.get(k, k): v for k, v in optim_state["state"].items()},
+        "param_groups": groups,
+    }
 
 
 def _merge(parts: list[nn.Module]) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -83,13 +84,16 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
         sharded.extend(k for k, v in state.items() if isinstance(v, DTensor) and v.to_local().numel() < v.numel())
         params.update({k: _full(v).detach().cpu().clone() for k, v in state.items()})
 
-    result = run_worker(config, Path(root) / "runs" / config.run.name, recipe=recipe, before_teardown=gather)
+    run_dir = Path(root) / "runs" / config.run.name
+    result = run_worker(config, run_dir, recipe=recipe, before_teardown=gather)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if rank == 0 else []
     return {
         "rank": rank,
         "params": params,
         "sharded": sharded,  # names of parameters this rank held only a part of
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
+        "losses": [r["loss"] for r in records if r["kind"] == "train"],  # logged per window (rank 0's log)
     }
 
 

@@ -53,6 +53,8 @@ def _assert_matches(ranks: list[dict[str, Any]], reference: dict[str, Any], what
     for result in ranks:  # the loss is reported from the last stage, counted once per replica
         assert result["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5), what
         assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5), what
+    if ranks[0]["losses"] and reference["losses"]:  # every logged step, the first one included
+        assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5), what
 
 
 @pytest.mark.timeout(300)

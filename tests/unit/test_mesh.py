@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from support import nano_config
 from trainmesh.config import ConfigError
-from trainmesh.config.validate import validate
+from trainmesh.config.validate import load_config, validate
+from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, ResNetStage
 from trainmesh.strategies import MeshShape, resolve_parallelism
 from trainmesh.strategies.mesh import MeshError
+from trainmesh.strategies.pipeline import _merge
 
 
 def test_degrees_resolve_and_infer() -> None:
@@ -71,3 +75,57 @@ def test_pipeline_micro_batches_must_divide_the_micro_batch(tmp_path) -> None:  
     fp16 = nano_config(tmp_path, "--parallel.tp=2", "--train.precision=16-mixed")
     with pytest.raises(ConfigError, match=r"16-mixed.*--train.precision=bf16-mixed"):
         validate(fp16, 2)
+
+
+PP_INTERLEAVED = ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["--parallel.pp=4", "--parallel.pipeline.microbatches=2", "--model.n_layer=4"], 4, "microbatches=4"),
+        (
+            [*PP_INTERLEAVED, "--parallel.pipeline.microbatches=5", "--model.n_layer=4"],
+            2,
+            "multiple of 2 (m // pp)",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"],
+            2,
+            "model.n_layer=2 blocks cannot fill 4",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv_zero_bubble", "--model.n_layer=4"],
+            4,
+            "puts the first and the last stage on one rank",
+        ),
+        (["--parallel.pp=2", "--parallel.strategy=fsdp", "--parallel.fsdp.cpu_offload=true"], 4, "cpu_offload"),
+        (["--parallel.tp=2", "--model.n_head=3", "--model.n_embd=48"], 2, "model.n_head=3 cannot be split evenly"),
+        (["--parallel.tp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"], 4, "shards nothing"),
+    ],
+)
+def test_model_parallel_settings_are_refused_before_launch(
+    tmp_path: Path, overrides: list[str], world: int, message: str
+) -> None:
+    config = nano_config(tmp_path, "--train.micro_batch=8", "--train.global_batch=0", *overrides)
+    with pytest.raises(ConfigError, match="Fix") as info:
+        validate(config, world)
+    assert message in str(info.value)
+    assert "--parallel.strategy=ddp" not in str(info.value) or "parallel.tp" not in " ".join(overrides)
+
+
+def test_the_resnet_recipe_refuses_tensor_parallelism_and_meta_builds() -> None:
+    for key, message in (("--parallel.tp=2", "no tensor-parallel plan"), ("--parallel.meta_init=true", "meta")):
+        config = load_config(None, [key, "--train.micro_batch=8"], "resnet")
+        with pytest.raises(ConfigError, match=message):
+            validate(config, 2)
+
+
+def test_stages_held_by_one_rank_are_merged_at_every_depth() -> None:
+    """Interleaved ResNet-34 on 2 ranks: rank 1 holds stages 1 and 3 of 4, which both hold blocks of the
+    model's stage 2 (a nested container): none may be lost."""
+    model = ResNet(ResNetConfig(depth=34, width=4, image_size=16, num_classes=10, in_channels=1))
+    parts = [ResNetStage(model, index, 4) for index in (1, 3)]
+    held = dict(_merge(parts).named_parameters())
+    assert held.keys() == {name for part in parts for name, _ in part.named_parameters()}
+    assert "stages.2.0.conv1.weight" in held and "stages.2.5.conv1.weight" in held

@@ -5,7 +5,7 @@ import torch
 
 from trainmesh.runtime.dist import select_backend, select_device
 from trainmesh.runtime.env import DistEnv
-from trainmesh.strategies import build_strategy, resolve_strategy_name
+from trainmesh.strategies import build_strategy, resolve_parallelism
 
 SINGLE = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single")
 TWO = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
@@ -13,13 +13,13 @@ CPU = torch.device("cpu")
 
 
 def test_auto_picks_ddp_for_several_processes() -> None:
-    assert resolve_strategy_name("auto", 1) == "single"
-    assert resolve_strategy_name("auto", 4) == "ddp"
+    assert resolve_parallelism("auto", 1)[0] == "single"
+    assert resolve_parallelism("auto", 4)[0] == "ddp"
 
 
 def test_single_with_several_processes_is_refused() -> None:
     with pytest.raises(ValueError, match=r"strategy=.single. keeps one model replica, but the world size is 2.*ddp"):
-        resolve_strategy_name("single", 2)
+        resolve_parallelism("single", 2)
 
 
 def test_data_parallel_needs_gpus_and_says_what_to_use_on_cpu() -> None:
@@ -50,4 +50,4 @@ def test_cuda_requested_without_gpus() -> None:
 
 def test_data_parallel_with_several_processes_is_a_config_error() -> None:
     with pytest.raises(ValueError, match=r"strategy='dp' drives all local GPUs from ONE process.*world size is 2"):
-        resolve_strategy_name("dp", 2)
+        resolve_parallelism("dp", 2)

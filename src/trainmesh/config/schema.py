@@ -119,9 +119,9 @@ class ParallelConfig:
     strategy: str = "auto"
     """Data parallelism across replicas: auto (ddp; fsdp with tp; single: one replica) | single | dp | ddp | fsdp."""
     pp: int = 1
-    """Pipeline-parallel stages (ranks one model is cut across by layers); -1: infer."""
+    """Pipeline-parallel stages (ranks one model is cut across by layers); -1: infer (with dp_shard set)."""
     tp: int = 1
-    """Tensor-parallel degree (ranks each layer's weights are split over); -1: infer."""
+    """Tensor-parallel degree (ranks each layer's weights are split over); -1: infer (with dp_shard set)."""
     dp_replicate: int = 1
     """Data-parallel replicas (fsdp: hybrid sharding, all-reduce across replicas); -1: infer."""
     dp_shard: int = -1

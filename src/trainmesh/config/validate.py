@@ -7,7 +7,8 @@ from pathlib import Path
 from trainmesh.config.loader import ConfigError, build_config, load_toml, merge_overrides
 from trainmesh.config.schema import Config
 from trainmesh.recipes import get_recipe
-from trainmesh.strategies import MeshShape, resolve_parallelism
+from trainmesh.strategies import MeshShape, PipelineOptions, resolve_parallelism
+from trainmesh.strategies.pipeline import schedule_problem
 from trainmesh.train.batch import BatchMathError, BatchPlan
 
 
@@ -45,10 +46,21 @@ def parallel_layout(config: Config, world_size: int) -> tuple[str, MeshShape]:
 def validate(config: Config, world_size: int) -> BatchPlan:
     """Cross-section checks for a given world size; returns the batch plan they imply."""
     par, train = config.parallel, config.train
+    recipe = get_recipe(config.run.recipe)
     try:
-        _, shape = parallel_layout(config, world_size)
+        strategy, shape = parallel_layout(config, world_size)
+        recipe.check_parallel(config, strategy, shape)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    problem = schedule_problem(PipelineOptions(par.pipeline.schedule, par.pipeline.microbatches), shape.pp)
+    if shape.pp > 1 and problem:
+        raise ConfigError(problem)
+    if shape.pp * shape.tp > 1 and par.fsdp.cpu_offload and strategy == "fsdp":
+        raise ConfigError(
+            f"parallel.fsdp.cpu_offload=true with parallel.pp={shape.pp} / parallel.tp={shape.tp} is not supported "
+            "(stages pass activations, and tensor-parallel layers communicate, on the accelerator). "
+            "Fix: --parallel.fsdp.cpu_offload=false."
+        )
     if shape.pp > 1 and train.micro_batch % par.pipeline.microbatches:
         fits = _divisor(train.micro_batch, par.pipeline.microbatches)
         raise ConfigError(
@@ -62,7 +74,6 @@ def validate(config: Config, world_size: int) -> BatchPlan:
             "overflow check would see only this rank's part of the gradients, and ranks could disagree on skipping a "
             "step. Fix: --train.precision=bf16-mixed."
         )
-    recipe = get_recipe(config.run.recipe)
     try:
         return BatchPlan.derive(train, shape.dp_size, recipe.tokens_per_sample(config.model))
     except BatchMathError as e:

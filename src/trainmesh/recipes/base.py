@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from trainmesh.config.schema import Config, ModelConfig
 from trainmesh.strategies.base import Objective
+from trainmesh.strategies.mesh import MeshShape
 from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
@@ -74,6 +75,20 @@ class Recipe(ABC):
         """Forward `batch` through `module` and return the summed loss (for use outside the loop)."""
         inputs, targets = self.split_batch(batch)
         return self.output_loss(module(inputs), targets)
+
+    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
+        """Refuse model-parallel settings this recipe's model cannot take (ValueError naming the keys and
+        a fix); called before launch, with the resolved data-parallel strategy and mesh."""
+        if shape.tp > 1:
+            raise ValueError(
+                f"parallel.tp={shape.tp}: the {self.name} recipe has no tensor-parallel plan. Fix: --parallel.tp=1."
+            )
+        if config.parallel.meta_init:
+            raise ValueError(
+                f"parallel.meta_init=true: the {self.name} recipe cannot initialise a model built on the meta "
+                "device. Fix: --parallel.meta_init=false."
+            )
+        del strategy
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
         """How the model is cut for the strategies: its blocks and, where the recipe supports them, its

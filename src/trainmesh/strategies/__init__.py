@@ -17,7 +17,7 @@ from trainmesh.strategies.blocks import BlockOptions
 from trainmesh.strategies.ddp import COMM_HOOKS, DDPOptions, DDPStrategy
 from trainmesh.strategies.dp import DataParallelStrategy
 from trainmesh.strategies.fsdp import FSDPOptions, FSDPStrategy
-from trainmesh.strategies.mesh import MeshError, MeshShape, ParallelMesh
+from trainmesh.strategies.mesh import MeshShape, ParallelMesh
 from trainmesh.strategies.pipeline import SCHEDULES, PipelineOptions, PipelineStrategy
 from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.strategies.single import SingleDeviceStrategy
@@ -40,7 +40,6 @@ __all__ = [
     "Strategy",
     "build_strategy",
     "resolve_parallelism",
-    "resolve_strategy_name",
 ]
 
 
@@ -72,16 +71,12 @@ def resolve_parallelism(
             "all-reduces whole tensors, not tensor-parallel shards. Fix: --parallel.strategy=fsdp (TP × FSDP)."
         )
     if name == "fsdp" and shape.dp_shard == 1 and shape.dp_replicate > 1:
+        replicate = "--parallel.strategy=ddp for pure replication, or " if shape.tp == 1 else ""
         raise ValueError(
             f"parallel.dp_shard=1 with parallel.dp_replicate={shape.dp_replicate} shards nothing. "
-            "Fix: --parallel.strategy=ddp for pure replication, or a parallel.dp_shard above 1."
+            f"Fix: {replicate}a parallel.dp_shard above 1 (e.g. --parallel.dp_replicate=1 --parallel.dp_shard=-1)."
         )
     return name, shape
-
-
-def resolve_strategy_name(name: str, world_size: int) -> str:
-    """`auto` is `ddp` with several processes and `single` otherwise (no model parallelism)."""
-    return resolve_parallelism(name, world_size)[0]
 
 
 def build_strategy(
@@ -95,15 +90,12 @@ def build_strategy(
     gather_dtype: torch.dtype | None = None,
     pipeline: PipelineOptions | None = None,
 ) -> Strategy:
-    """Collective when a device mesh is needed (fsdp, pp or tp): every rank builds it together."""
-    if mesh is None:
-        name, mesh = resolve_parallelism(name, env.world_size)
-    elif name == "auto":
-        name = ("fsdp" if mesh.tp > 1 else "ddp") if mesh.dp_size > 1 else "single"
-    if mesh.world_size != env.world_size:
-        raise MeshError(
-            f"the mesh {mesh.describe()} holds {mesh.world_size} ranks, but the world size is {env.world_size}"
-        )
+    """Collective when a device mesh is needed (fsdp, pp or tp): every rank builds it together.
+    `mesh`: the degrees (default: data parallelism over the world), checked as `resolve_parallelism` does."""
+    given = mesh or MeshShape(dp_shard=-1)
+    name, mesh = resolve_parallelism(
+        name, env.world_size, pp=given.pp, dp_replicate=given.dp_replicate, dp_shard=given.dp_shard, tp=given.tp
+    )
     needs_mesh = name == "fsdp" or mesh.pp > 1 or mesh.tp > 1
     device_mesh = ParallelMesh(mesh, device.type) if needs_mesh else None
 

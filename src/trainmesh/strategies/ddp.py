@@ -72,6 +72,8 @@ class DDPStrategy(Strategy):
         opts = self.options
         buffer_sync: Any = _buffer_sync_kwarg(opts.sync_buffers)
         dp_mesh = self.mesh.dp_mesh if self.mesh else None  # with pipeline stages: the replicas of this stage
+        if self.mesh is not None and dp_mesh is None:
+            return module  # one replica (every rank a pipeline stage): no gradients to average
         ddp = DistributedDataParallel(
             module,
             process_group=dp_mesh.get_group() if dp_mesh is not None else None,

@@ -66,6 +66,33 @@ class PipelineOptions:
     """Pieces each loop micro-batch is cut into (m); train.micro_batch must be a multiple."""
 
 
+def schedule_problem(options: PipelineOptions, pp: int) -> str | None:
+    """What is wrong with running `options` on `pp` pipeline ranks (torch's own conditions), or None."""
+    if options.schedule not in SCHEDULES:
+        return f"parallel.pipeline.schedule={options.schedule!r} is not one of {', '.join(SCHEDULES)}"
+    m, stages = options.microbatches, pp * SCHEDULES[options.schedule][1]
+    given = f"parallel.pipeline.schedule={options.schedule!r} with parallel.pipeline.microbatches={m}"
+    if options.schedule in ("1f1b", "dualpipev") and m < stages:
+        return f"{given}: it needs a micro-batch per stage ({stages}). Fix: --parallel.pipeline.microbatches={stages}."
+    rounds = max(1, m // pp)
+    if options.schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and m % rounds:
+        fits = rounds * pp
+        return (
+            f"{given} on parallel.pp={pp}: it runs micro-batches in rounds of {pp}, so the count must be a "
+            f"multiple of {rounds} (m // pp). Fix: --parallel.pipeline.microbatches={fits}."
+        )
+    return None
+
+
+def shared_across_v_message(schedule: str, names: list[str]) -> str:
+    return (
+        f"parallel.pipeline.schedule={schedule!r} puts the first and the last stage on one rank, and the "
+        f"weight they share ({', '.join(names)}) cannot be shared by two stages under ddp or fsdp replicas, "
+        "tensor parallelism or parallel.meta_init. Fix: a schedule with the stages in a loop (1f1b, "
+        "interleaved_1f1b, looped_bfs, interleaved_zero_bubble)."
+    )
+
+
 class PipelineStrategy(Strategy):
     name = "pipeline"
 
@@ -77,8 +104,9 @@ class PipelineStrategy(Strategy):
         self, env: DistEnv, device: torch.device, mesh: ParallelMesh, inner: Strategy, options: PipelineOptions
     ) -> None:
         super().__init__(env, device, inner.block_options, mesh)
-        if options.schedule not in SCHEDULES:
-            raise ValueError(f"parallel.pipeline.schedule={options.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        problem = schedule_problem(options, mesh.shape.pp)
+        if problem:
+            raise ValueError(problem)
         self.inner, self.options = inner, options
         self.pp, self.pp_rank = mesh.shape.pp, mesh.coordinate("pp")
         _, per_rank, style = SCHEDULES[options.schedule]
@@ -138,6 +166,7 @@ class PipelineStrategy(Strategy):
             stage_plan = ParallelPlan(blocks, plan.tensor_parallel, init_weights=plan.init_weights)
             self._stages[index] = self.inner.setup_module(stage, stage_plan)
         held = _merge(parts)
+        self._check_ties_on_this_rank(held, tied)
         self._build_schedule()
         self._tie_across_stages(held, tied)
         # A tied weight held here under another name than the whole model's (the last stage's
@@ -163,6 +192,16 @@ class PipelineStrategy(Strategy):
     def _stage_loss(self, output: Any, targets: Any) -> torch.Tensor:
         assert self._loss is not None
         return self._loss(output, targets)
+
+    def _check_ties_on_this_rank(self, held: nn.Module, tied: list[list[str]]) -> None:
+        """A V schedule puts the first and the last stage on one rank. A weight tied between them can
+        stay one tensor only without sharding, tensor parallelism, a meta build or DDP (two DDP wrappers
+        cannot share a parameter); otherwise it would silently become two weights."""
+        names = dict(held.named_parameters(remove_duplicate=False))
+        for group in tied:
+            here = [name for name in group if name in names]
+            if len(here) > 1 and (len({id(names[n]) for n in here}) > 1 or self.inner.dp_size > 1):
+                raise ValueError(shared_across_v_message(self.options.schedule, here))
 
     def _tie_across_stages(self, held: nn.Module, tied: list[list[str]]) -> None:
         """Find weights tied across ranks of the pipeline (held under different names on different
@@ -225,6 +264,9 @@ class PipelineStrategy(Strategy):
         for hook in hooks:
             hook.remove()
         self._inferred, self._loss = True, None
+        # In the first step torch also calls the loss once on uninitialised activations to learn the
+        # gradient shapes: only the last `microbatches` losses are the batch's.
+        losses = losses[-self.options.microbatches :]
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         return total if self.owns_loss else torch.zeros_like(total)
 
@@ -333,18 +375,27 @@ def _renamed(optim_state: dict[str, Any], names: dict[str, str]) -> dict[str, An
 
 
 def _merge(parts: list[nn.Module]) -> nn.Module:
-    """One module holding the submodules of all `parts` under their names (containers merged), so
-    parameter names are those of the whole model."""
+    """One module holding the submodules of all `parts` under their names, so parameter names are
+    those of the whole model. Containers held by several parts (blocks.<i>, ResNet's stages.<i>.<j>)
+    are merged at every depth."""
     if len(parts) == 1:
         return parts[0]
     merged = nn.Module()
     for part in parts:
-        for name, child in part.named_children():
-            current = getattr(merged, name, None)
-            if current is None or current is child:
-                merged.add_module(name, child)
-            elif isinstance(current, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-                merged.add_module(name, nn.ModuleDict({**current, **child}))
-            else:
-                raise ValueError(f"pipeline stages on one rank both hold a different {name!r}")
+        _merge_into(merged, part)
+    held = {id(p) for p in merged.parameters()}
+    assert held == {id(p) for part in parts for p in part.parameters()}, "a stage's parameters were lost"
     return merged
+
+
+def _merge_into(target: nn.Module, part: nn.Module) -> None:
+    for name, child in part.named_children():
+        current = getattr(target, name, None)
+        if current is None or current is child:
+            target.add_module(name, child)
+        elif isinstance(current, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+            combined = nn.ModuleDict(dict(current.items()))  # a new container: the stages keep theirs
+            _merge_into(combined, child)
+            target.add_module(name, combined)
+        else:
+            raise ValueError(f"pipeline stages on one rank both hold a different {name!r}")

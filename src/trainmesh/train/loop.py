@@ -2,7 +2,8 @@
 
     1. read this rank's `accum_steps` micro-batches of the global batch (data/sharding.py)
     2. all-reduce how many targets the whole global batch holds (the loss's true denominator)
-    3. forward + backward each micro-batch; only the last one synchronises gradients (no_sync)
+    3. forward + backward each micro-batch; only the last one synchronises gradients (no_sync; a
+       pipeline synchronises its stages' gradients at the end of each pass of its schedule)
     4. unscale (fp16), clip the global gradient norm, step (skipped together on overflow), zero grads
     5. every `log_every` steps: average the loss over ranks, log; evaluate / checkpoint on schedule
 
@@ -89,6 +90,7 @@ def train(
     # This rank's part of the model, outside any wrapper: all of it, its shards (fsdp, tp) or its
     # pipeline stages. The optimizer is built after setup, on what setup left here.
     raw_model = runtime.unwrap(model)
+    del whole_model  # under pipeline parallelism the other stages' layers can now be freed
     optimizer = build_optimizer(raw_model, config.optim, runtime.device)
     seed_everything(config.run.seed + 1 + runtime.strategy.seed_rank)
 

@@ -141,12 +141,7 @@ class GPT(nn.Module):
 
     # The two ends of the network, also used by the pipeline stages that hold them (recipes/gpt/parallel.py).
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> embeddings (B, T, C)."""
-        _, T = idx.shape
-        if self.cfg.block_size < T:
-            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return embed_tokens(self.wte, self.wpe, self.drop, idx)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, C) -> logits (B, T, V)."""
@@ -174,6 +169,15 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)  # (B, 1)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+def embed_tokens(wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Token ids (B, T) -> token + position embeddings (B, T, C), for a GPT or its first pipeline stage."""
+    _, T = idx.shape
+    if wpe.num_embeddings < T:
+        raise ValueError(f"sequence of {T} tokens exceeds model.block_size={wpe.num_embeddings}")
+    pos = torch.arange(T, device=idx.device)
+    return drop(wte(idx) + wpe(pos))
 
 
 def init_gpt_weights(module: nn.Module, seed: int) -> None:

@@ -18,15 +18,13 @@ Pipeline: stage i of n holds the token and position embeddings if i = 0, blocks
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainmesh.recipes.gpt.model import GPT, GPTConfig
+from trainmesh.recipes.gpt.model import GPT, GPTConfig, embed_tokens
 from trainmesh.strategies.blocks import find_blocks
 
 BLOCK_PLAN = {
@@ -47,6 +45,15 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
                 f"{key}={value} cannot be split evenly over parallel.tp={tp} ranks. "
                 f"Fix: a parallel.tp that divides {value}, or change {key}."
             )
+
+
+def check_pipeline(cfg: GPTConfig, stages: int) -> None:
+    """Every pipeline stage needs at least one block."""
+    if stages > cfg.n_layer:
+        raise ValueError(
+            f"model.n_layer={cfg.n_layer} blocks cannot fill {stages} pipeline stages (parallel.pp × stages "
+            f"per rank). Fix: a smaller parallel.pp, a schedule with one stage per rank, or model.n_layer >= {stages}."
+        )
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -72,16 +79,10 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, index: int, count: int) -> None:
         super().__init__()
+        check_pipeline(model.cfg, count)
         n = model.cfg.n_layer
-        if count > n:
-            raise ValueError(
-                f"model.n_layer={n} blocks cannot fill {count} pipeline stages (parallel.pp × stages per rank). "
-                f"Fix: a smaller parallel.pp, a schedule with one stage per rank, or model.n_layer >= {count}."
-            )
         self.cfg = model.cfg
         self.first, self.last = index == 0, index == count - 1
-        self._embed: Callable[[torch.Tensor], torch.Tensor] | None = model.embed if self.first else None
-        self._head: Callable[[torch.Tensor], torch.Tensor] | None = model.head if self.last else None
         if self.first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         lo, hi = index * n // count, (index + 1) * n // count
@@ -91,11 +92,11 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: token ids (B, T); others: hidden states (B, T, C). Last: logits (B, T, V)."""
-        if self._embed is not None:
-            x = self._embed(x)
+        if self.first:
+            x = embed_tokens(self.wte, self.wpe, self.drop, x)
         for block in self.blocks.values():
             x = block(x)
-        return self._head(x) if self._head is not None else x
+        return self.lm_head(self.ln_f(x)) if self.last else x
 
 
 def pipeline_stage_gpt(model: nn.Module, index: int, count: int) -> nn.Module:

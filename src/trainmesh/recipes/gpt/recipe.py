@@ -15,7 +15,9 @@ from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_weights, summed_lm_loss
-from trainmesh.recipes.gpt.parallel import parallelize_gpt, pipeline_stage_gpt
+from trainmesh.recipes.gpt.parallel import check_pipeline, check_tensor_parallel, parallelize_gpt, pipeline_stage_gpt
+from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.pipeline import SCHEDULES, shared_across_v_message
 from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
@@ -68,6 +70,21 @@ class GPTRecipe(Recipe):
 
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
         return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
+
+    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
+        model = config.model
+        assert isinstance(model, GPTConfig)
+        if shape.tp > 1:
+            check_tensor_parallel(model, shape.tp)
+        if shape.pp > 1:
+            schedule = config.parallel.pipeline.schedule
+            _, per_rank, placement = SCHEDULES[schedule]
+            check_pipeline(model, shape.pp * per_rank)
+            # A V schedule holds the first and the last stage on one rank: the tied embedding and head
+            # can only stay one tensor there without replicas, tensor parallelism or a meta build.
+            if placement == "v" and (shape.dp_size > 1 or shape.tp > 1 or config.parallel.meta_init):
+                raise ValueError(shared_across_v_message(schedule, ["wte.weight", "lm_head.weight"]))
+        del strategy
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
         seed = self.seed

@@ -203,13 +203,8 @@ class ResNetStage(nn.Module):
             for i, stage in enumerate(model.stages)
             for j, block in enumerate(cast(nn.Sequential, stage))
         ]
-        if count > len(blocks):
-            raise ValueError(
-                f"model.depth={model.cfg.depth} has {len(blocks)} residual blocks, too few for {count} pipeline "
-                f"stages. Fix: a smaller parallel.pp, a schedule with one stage per rank, or a deeper model."
-            )
+        assert count <= len(blocks), "checked before launch (ResNetRecipe.check_parallel)"
         self.first, self.last = index == 0, index == count - 1
-        self._classify = model.classify if self.last else None
         if self.first:
             self.stem = model.stem
         self.stages = nn.ModuleDict()
@@ -227,7 +222,7 @@ class ResNetStage(nn.Module):
         for stage in self.stages.values():
             for block in cast(nn.ModuleDict, stage).values():
                 x = block(x)
-        return self._classify(x) if self._classify is not None else x
+        return self.head(x.mean(dim=(2, 3))) if self.last else x  # as ResNet.classify
 
 
 def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:

@@ -16,8 +16,10 @@ from trainmesh.config.schema import Config
 from trainmesh.layers import convert_sync_batchnorm
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.resnet.data import DIGITS_SOURCES, Augment, ImageData, folder_classes, load_image_data
-from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, ResNetStage, count_macs
+from trainmesh.recipes.resnet.model import DEPTHS, ResNet, ResNetConfig, ResNetStage, count_macs
 from trainmesh.runtime.logging import get_logger
+from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.pipeline import SCHEDULES
 from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
@@ -112,6 +114,19 @@ class ResNetRecipe(Recipe):
             "loss": self.output_loss(output, targets),
             "top1": (output.argmax(dim=1) == targets).sum(),
         }
+
+    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
+        super().check_parallel(config, strategy, shape)  # no tensor parallelism, no meta build
+        cfg = config.model
+        assert isinstance(cfg, ResNetConfig)
+        stages = shape.pp * SCHEDULES[config.parallel.pipeline.schedule][1] if shape.pp > 1 else 1
+        blocks = sum(DEPTHS[cfg.depth][1])
+        if stages > blocks:
+            raise ValueError(
+                f"model.depth={cfg.depth} has {blocks} residual blocks, too few for {stages} pipeline stages "
+                "(parallel.pp × stages per rank). Fix: a smaller parallel.pp, a schedule with one stage per rank, "
+                "or a deeper model."
+            )
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
         """The blocks (the residual blocks of every stage) and the pipeline split (no tensor parallelism)."""

@@ -40,7 +40,10 @@ __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 # `_BatchNorm` is the base torch.nn.SyncBatchNorm uses too: code that recognises batch norms by it
 # (e.g. mixed-precision policies that keep norms in fp32) treats this layer like any batch norm, and the
-# parameters, buffers and state-dict keys are those of nn.BatchNorm*, so checkpoints interchange.
+# parameters, buffers and state-dict keys are those of nn.BatchNorm*, so checkpoints interchange. It is
+# the one private torch name we build on, on purpose: the public alternatives do not fit. A subclass of
+# nn.SyncBatchNorm is refused by DDP on CPU modules ("SyncBatchNorm layers only work with GPU
+# modules"), and nn.BatchNorm2d would claim a dimensionality this layer does not have.
 class SyncBatchNorm(_BatchNorm):
     """Batch norm whose training-mode statistics cover every rank of `process_group`.
 

@@ -139,6 +139,15 @@ def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     opts = _launch_options(args)
     config = load_config(args.config, overrides, args.target)
     plans = _validate_all(config, opts)  # before any process starts
+    low, high = opts.node_bounds()
+    if low < high and not config.checkpoint.resume:
+        # Membership changes restart every worker, and a node that did not fail (one joining, or its
+        # peers when a job grows) keeps restart count 0: so every (re)start of an elastic job continues
+        # from the run's newest checkpoint, when there is one.
+        config.checkpoint.resume = True
+        log.info(
+            "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
+        )
     suffix = opts.default_run_suffix()
     name = config.run.name or (f"{config.run.recipe}-{suffix}" if suffix else default_run_name(config.run.recipe))
     config.run.name = name

@@ -1,8 +1,9 @@
-"""Multi-node elastic membership (`--nnodes 1:2`, c10d rendezvous on loopback): two agents train
-together, one is killed (agent and worker), and the survivor re-forms the group alone and continues
-from the newest checkpoint on half the world size (the data order and the DCP checkpoint do not depend
-on it). Then a replacement started with the same command joins the survivor, which stops its worker
-(SIGTERM: a checkpoint), and the two finish the run together at world size 2."""
+"""Multi-node elastic membership (`--nnodes 1:2`, c10d rendezvous on loopback): one agent trains
+alone; a second joins and both continue from a checkpoint at world size 2; the second is killed (agent
+and worker) and the survivor re-forms the group alone and continues from the newest checkpoint (the
+data order and the DCP checkpoint do not depend on the world size); then a replacement started with the
+same command joins the survivor, which stops its worker (SIGTERM: a checkpoint), and the two finish the
+run together."""
 
 from __future__ import annotations
 
@@ -41,18 +42,19 @@ def _kill_node(agent: subprocess.Popen[str]) -> None:
     agent.wait()
 
 
-def test_a_killed_agent_is_replaced_and_the_pair_completes_the_run(tmp_path: Path) -> None:
-    steps = 900  # enough to outlast the kill, the survivor alone and the replacement joining
+def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_run_completes(tmp_path: Path) -> None:
+    steps = 3000  # enough to outlast the growth, the kill, the survivor alone and the replacement joining
     endpoint = f"127.0.0.1:{free_port()}"
     node = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "1"]
-    node += ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "replaced", "--max-restarts", "3"]
+    node += ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic", "--max-restarts", "3"]
     # A dead node's keep-alive lapses after 2 x 3 s (default 5 x 3), and a round that has its minimum
-    # waits 10 s for more nodes (default 30; long enough for the second agent to make the first round).
-    node += ["--rdzv-conf", "last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"]
-    node += ["--run-id", "replaced", "--", f"--train.max_steps={steps}", "--checkpoint.every=20"]
+    # waits 5 s for more nodes (default 30).
+    node += ["--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"]
+    node += ["--run-id", "elastic", "--", f"--train.max_steps={steps}", "--checkpoint.every=20"]
     node += ["--train.global_batch=8", "--run.log_every=1", "--checkpoint.final=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents: dict[str, subprocess.Popen[str]] = {}
+    run_dir = tmp_path / "runs" / "elastic"
 
     def start(name: str) -> None:
         log = (tmp_path / f"{name}.log").open("w")
@@ -70,20 +72,31 @@ def test_a_killed_agent_is_replaced_and_the_pair_completes_the_run(tmp_path: Pat
             assert all(agents[name].poll() is None for name in alive), logs()
             time.sleep(0.2)
 
-    run_dir = tmp_path / "runs" / "replaced"
+    def resumes() -> list[tuple[int, int]]:
+        """(step resumed from, data-parallel ranks then) of every resume, from rank 0's log (on either
+        node), in order: each resume starts from a later checkpoint than the one before."""
+        return sorted(
+            (int(step), int(ranks))
+            for name in agents
+            for step, ranks in re.findall(
+                r"resumed from \S*step_(\d+).*?× (\d+) data-parallel rank\(s\)",
+                (tmp_path / f"{name}.log").read_text(),
+                re.S,
+            )
+        )
+
     try:
         start("first")  # it hosts the rendezvous at the endpoint, so it goes first and is not the one lost
         host, port = endpoint.split(":")
         wait_for(lambda: _accepts(host, int(port)), 60, ["first"])
-        start("doomed")
-        wait_for(lambda: (run_dir / "checkpoints" / "step_00000040").exists(), 120, ["first", "doomed"])
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000020").exists(), 120, ["first"])  # alone
+        start("doomed")  # the job grows: both restart their workers, which continue from a checkpoint
+        wait_for(lambda: any(ranks == 2 for _, ranks in resumes()), 90, ["first", "doomed"])
+        grown_at = max(step for step, ranks in resumes() if ranks == 2)
+        after = run_dir / "checkpoints" / f"step_{(grown_at // 20 + 1) * 20:08d}"  # the pair's first save
+        wait_for(after.exists, 90, ["first", "doomed"])
         _kill_node(agents["doomed"])
-
-        def training_alone() -> bool:  # resumed, and on the one node left
-            tail = (tmp_path / "first.log").read_text().split("resumed from")
-            return len(tail) > 1 and "1 data-parallel rank(s)" in tail[-1]
-
-        wait_for(training_alone, 90, ["first"])
+        wait_for(lambda: [ranks for _, ranks in resumes()][-1:] == [1], 90, ["first"])  # the survivor alone
         start("replacement")
         for name in ("first", "replacement"):
             assert agents[name].wait(timeout=150) == 0, logs()
@@ -93,17 +106,7 @@ def test_a_killed_agent_is_replaced_and_the_pair_completes_the_run(tmp_path: Pat
                 _kill_node(agent)
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == f"step_{steps:08d}" and verify(final).ok
-    # (step resumed from, data-parallel ranks then) of every resume, from rank 0's log (either node's)
-    resumes = [
-        (int(step), int(ranks))
-        for name in ("first", "replacement")
-        for step, ranks in re.findall(
-            r"resumed from \S*step_(\d+).*?× (\d+) data-parallel rank\(s\)",
-            (tmp_path / f"{name}.log").read_text(),
-            re.S,
-        )
-    ]
-    alone = [step for step, ranks in resumes if ranks == 1]
-    together = [step for step, ranks in resumes if ranks == 2]
-    assert alone and min(alone) >= 40, logs()  # the survivor continued from a checkpoint taken before the kill
-    assert together and max(together) > min(alone), logs()  # then the pair, from what the survivor saved alone
+    (grown, two), (alone, one), (replaced, two_again) = resumes()[:3]
+    # The growth continued from step 20 or later at world size 2, the survivor from a checkpoint of
+    # the pair, and the pair with the replacement from what the survivor saved alone.
+    assert (two, one, two_again) == (2, 1, 2) and 20 <= grown < alone < replaced, logs()

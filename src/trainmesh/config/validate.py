@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmesh.config.loader import ConfigError, build_config, load_toml, merge_overrides
+from trainmesh.config.loader import ConfigError, build_config, config_to_dict, load_toml, merge_overrides
 from trainmesh.config.schema import Config
 from trainmesh.recipes import get_recipe
 from trainmesh.strategies import MeshShape, PipelineOptions, resolve_parallelism
@@ -52,8 +52,8 @@ def validate(config: Config, world_size: int) -> BatchPlan:
         recipe.check_parallel(config, strategy, shape)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    problem = schedule_problem(PipelineOptions(par.pipeline.schedule, par.pipeline.microbatches), shape.pp)
-    if shape.pp > 1 and problem:
+    problem = shape.pp > 1 and schedule_problem(PipelineOptions(**config_to_dict(par.pipeline)), shape.pp)
+    if problem:
         raise ConfigError(problem)
     if shape.pp * shape.tp > 1 and par.fsdp.cpu_offload and strategy == "fsdp":
         raise ConfigError(

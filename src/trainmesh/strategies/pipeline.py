@@ -121,7 +121,8 @@ class PipelineStrategy(Strategy):
         self._schedule: Any = None
         self._step_losses: list[torch.Tensor] = []
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
-        self._tied: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, bool]] = []
+        # weights tied across pipeline ranks: (this rank's copy, its holders' group, counted in the norm here)
+        self._tied: list[tuple[nn.Parameter, dist.ProcessGroup | None, bool]] = []
         self._inferred = False  # whether the schedule has run once (and learned the stages' shapes)
         self._canonical: dict[str, str] = {}  # this rank's name of a tied weight -> the whole model's
 
@@ -166,7 +167,6 @@ class PipelineStrategy(Strategy):
             stage_plan = ParallelPlan(blocks, plan.tensor_parallel, init_weights=plan.init_weights)
             self._stages[index] = self.inner.setup_module(stage, stage_plan)
         held = _merge(parts)
-        self._check_ties_on_this_rank(held, tied)
         self._build_schedule()
         self._tie_across_stages(held, tied)
         # A tied weight held here under another name than the whole model's (the last stage's
@@ -193,22 +193,19 @@ class PipelineStrategy(Strategy):
         assert self._loss is not None
         return self._loss(output, targets)
 
-    def _check_ties_on_this_rank(self, held: nn.Module, tied: list[list[str]]) -> None:
-        """A V schedule puts the first and the last stage on one rank. A weight tied between them can
-        stay one tensor only without sharding, tensor parallelism, a meta build or DDP (two DDP wrappers
-        cannot share a parameter); otherwise it would silently become two weights."""
-        names = dict(held.named_parameters(remove_duplicate=False))
-        for group in tied:
-            here = [name for name in group if name in names]
-            if len(here) > 1 and (len({id(names[n]) for n in here}) > 1 or self.inner.dp_size > 1):
-                raise ValueError(shared_across_v_message(self.options.schedule, here))
-
     def _tie_across_stages(self, held: nn.Module, tied: list[list[str]]) -> None:
         """Find weights tied across ranks of the pipeline (held under different names on different
-        ranks) and make a group of those ranks, for every pipeline of the mesh, to sum their gradients."""
+        ranks) and make a group of those ranks, for every pipeline of the mesh, to sum their gradients.
+
+        A V schedule puts the first and the last stage on one rank. A weight tied between them stays one
+        tensor there only without sharding, tensor parallelism, a meta build or DDP (two DDP wrappers
+        cannot share a parameter); otherwise it would silently become two weights, so it is refused."""
         assert self.mesh is not None and self.mesh.pp_group is not None
         names = dict(held.named_parameters(remove_duplicate=False))
         mine = [[name for name in group if name in names] for group in tied]
+        for here in mine:
+            if len(here) > 1 and (len({id(names[n]) for n in here}) > 1 or self.inner.dp_size > 1):
+                raise ValueError(shared_across_v_message(self.options.schedule, here))
         everyone: list[Any] = [None] * self.pp
         dist.all_gather_object(everyone, [bool(m) for m in mine], group=self.mesh.pp_group)
         pipelines = self.mesh.mesh.mesh.reshape(self.pp, -1)  # (pp position, one column per pipeline)
@@ -219,7 +216,7 @@ class PipelineStrategy(Strategy):
             ranks = [[int(pipelines[h, col]) for h in holders] for col in range(pipelines.shape[1])]
             group, _ = dist.new_subgroups_by_enumeration(ranks)  # collective: every rank makes every group
             if names_here:
-                self._tied.append(([names[names_here[0]]], group, self.pp_rank == holders[0]))
+                self._tied.append((names[names_here[0]], group, self.pp_rank == holders[0]))
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         raise AssertionError("each stage is wrapped by the data-parallel strategy, in setup_module")
@@ -295,18 +292,16 @@ class PipelineStrategy(Strategy):
         """Sum the gradients of weights tied across stages, then clip by the norm over all stages."""
         params = [p for p in module.parameters() if p.grad is not None]
         duplicates: set[int] = set()
-        for tied_params, group, counts_here in self._tied:
-            for p in tied_params:
-                if p.grad is None:
-                    continue
-                if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    # e.g. a vocabulary-parallel embedding's gradient comes back replicated: take this
-                    # rank's rows, so both holders all-reduce the same part
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(grad, group=group)
-                if not counts_here:
-                    duplicates.add(id(p))
+        for p, group, counts_here in self._tied:
+            if p.grad is None:
+                continue
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # e.g. a vocabulary-parallel embedding's gradient comes back replicated: take this
+                # rank's rows, so both holders all-reduce the same part
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
+            if not counts_here:
+                duplicates.add(id(p))
         counted = [p for p in params if id(p) not in duplicates]
         assert self.mesh is not None
         return clip_gradients(params, max_norm, group=self.mesh.pp_group, counted=counted)

@@ -184,11 +184,13 @@ class ResNet(nn.Module):
                     nn.init.zeros_(m.bn3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classify(self.stages(self.stem(x)))
+        return classify(self.head, self.stages(self.stem(x)))
 
-    def classify(self, x: torch.Tensor) -> torch.Tensor:
-        """Features (B, C', H', W') -> logits (B, num_classes), by global average pooling and the head."""
-        return self.head(x.mean(dim=(2, 3)))
+
+def classify(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Features (B, C', H', W') -> logits (B, num_classes), by global average pooling and the head
+    (of a ResNet, or of its last pipeline stage)."""
+    return head(x.mean(dim=(2, 3)))
 
 
 class ResNetStage(nn.Module):
@@ -222,7 +224,7 @@ class ResNetStage(nn.Module):
         for stage in self.stages.values():
             for block in cast(nn.ModuleDict, stage).values():
                 x = block(x)
-        return self.head(x.mean(dim=(2, 3))) if self.last else x  # as ResNet.classify
+        return classify(self.head, x) if self.last else x
 
 
 def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:

@@ -12,13 +12,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+import time
 from pathlib import Path
 
-from trainmesh.config import Config, ConfigError
+from trainmesh.checkpoint.catalog import list_checkpoints
+from trainmesh.config import Config, dump_toml
+from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config, validate
 from trainmesh.launch import LaunchError, LaunchOptions, launch
-from trainmesh.rundir import default_run_name, write_config
+from trainmesh.rundir import (
+    CONFIG_FILE,
+    RunLock,
+    claim_new_run_dir,
+    create_run_dir,
+    existing_run_dir,
+    new_job_id,
+    write_config,
+)
+from trainmesh.runtime.errors import EXIT_USER_ERROR, UserError
 from trainmesh.runtime.logging import configure_logging
 from trainmesh.train.batch import BatchPlan
 
@@ -138,7 +151,18 @@ def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     overrides = _split_recipe_args(parser, args)
     opts = _launch_options(args)
     config = load_config(args.config, overrides, args.target)
-    plans = _validate_all(config, opts)  # before any process starts
+    plans = _validate_all(config, opts)  # before any process starts or any file is written
+    out_dir = Path(config.run.out_dir)
+    suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
+    if suffix and not config.run.name:
+        config.run.name = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
+    if config.checkpoint.resume:
+        run_dir = existing_run_dir(out_dir, config.run.name)  # a misspelled --run-id is refused
+    elif config.run.name:
+        run_dir = create_run_dir(out_dir, config.run.name)
+    else:
+        run_dir = claim_new_run_dir(out_dir, config.run.recipe)
+    config.run.name = run_dir.name
     low, high = opts.node_bounds()
     if low < high and not config.checkpoint.resume:
         # Membership changes restart every worker, and a node that did not fail (one joining, or its
@@ -148,15 +172,39 @@ def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log.info(
             "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
         )
-    suffix = opts.default_run_suffix()
-    name = config.run.name or (f"{config.run.recipe}-{suffix}" if suffix else default_run_name(config.run.recipe))
-    config.run.name = name
-    run_dir = Path(config.run.out_dir) / name
-    config_path = write_config(run_dir, config)
-    for world, plan in plans:
-        log.info("world size %d: %s", world, plan.describe())
-    entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
-    return launch(opts, entry, module=True)
+    job = suffix or new_job_id()
+    with RunLock(run_dir, job) as lock:
+        if not config.checkpoint.resume and list_checkpoints(run_dir):
+            newest = list_checkpoints(run_dir)[-1].name
+            raise LaunchError(
+                f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
+                f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
+            )
+        config_path = _write_or_match_config(run_dir, config, holds_lock=lock.held)
+        for world, plan in plans:
+            log.info("world size %d: %s", world, plan.describe())
+        entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
+        return launch(opts, [*entry, "--job", job], module=True, run_name=run_dir.name)
+
+
+def _write_or_match_config(run_dir: Path, config: Config, holds_lock: bool) -> Path:
+    """The launch holding the lock writes the run's config; another node of the same job (sharing the
+    folder) checks that its own config is the same, instead of overwriting it under running workers."""
+    if holds_lock:
+        return write_config(run_dir, config)
+    path = run_dir / CONFIG_FILE
+    deadline = time.monotonic() + 30
+    while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
+        time.sleep(0.2)
+    ours = dump_toml(config_to_dict(config))
+    theirs = path.read_text() if path.is_file() else ""
+    if theirs != ours:
+        diff = [line for line in ours.splitlines() if line not in theirs.splitlines()][:5]
+        raise LaunchError(
+            f"another node of this job wrote {path} with a different config (this node has: {'; '.join(diff)}). "
+            "Fix: launch every node with the same --config and overrides."
+        )
+    return path
 
 
 def cmd_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -211,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ckpt":
             return cmd_ckpt(args)
         return cmd_run(parser, args)
-    except (ConfigError, LaunchError) as e:
+    except UserError as e:
         log.error("%s", e)
-        return 2
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | 
       | nan (this rank's loss becomes NaN in optimizer step `step`, counted from 1)
 phase: step (default: right after optimizer step `step` completes) | data (while fetching the batch of
        optimizer step `step`, counted from 1: a stuck data loader) | checkpoint (after this rank's
-       checkpoint shards are written, before the checkpoint is committed)
+       checkpoint shards are written, before the checkpoint is committed) | commit (rank 0, after the
+       commit rename, before `checkpoints/latest` is updated: e.g. kind=diskfull)
 
 Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
 attempt that torchrun restarts after it does not inject it again. Unset, this module does nothing.
@@ -28,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from trainmesh.runtime.files import make_dirs, open_file
+
 ENV_VAR = "TRAINMESH_FAULT"
 F = TypeVar("F", bound=Callable[..., Any])
 KINDS = ("sigkill", "exception", "exit", "segfault", "sigstop", "hang", "sleep", "diskfull", "nan")
-PHASES = ("step", "data", "checkpoint")
+PHASES = ("step", "data", "checkpoint", "commit")
 _FOREVER_S = 10**6
 
 
@@ -91,8 +94,8 @@ def _due(step: int, phase: str, rank: int, run_dir: Path, nan: bool) -> list[Fau
         marker = run_dir / ".faults" / str(fault.index)
         if marker.exists():
             continue  # fired in an earlier attempt
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        make_dirs(run_dir, ".faults")
+        open_file(marker, "a").close()
         due.append(fault)
     return due
 

@@ -26,20 +26,21 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 from trainmesh.runtime.dist import is_loopback, loopback_store
 from trainmesh.runtime.env import free_port
+from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR, UserError
 from trainmesh.runtime.logging import get_logger
-from trainmesh.train.preemption import EXIT_PREEMPTED
-from trainmesh.train.watchdog import EXIT_STALLED
 
 log = get_logger(__name__)
 
 
 EXIT_MEANINGS = {
+    EXIT_USER_ERROR: "a problem with the config, the inputs or the run folder (its message, above, says what to fix)",
     EXIT_PREEMPTED: "stopped by SIGTERM (preemption) after saving a checkpoint",
+    EXIT_INTERRUPTED: "stopped by Ctrl-C",
     EXIT_STALLED: "stall watchdog: no step within dist.stall_timeout_s; see <run>/stalls/ for the report and stacks",
 }
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError, ValueError):
     """Launcher options that cannot work; the message says which flag to change."""
 
 
@@ -170,8 +171,9 @@ def check_resolvable(host: str, flag: str) -> None:
         ) from None
 
 
-def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
-    """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI."""
+def launch(opts: LaunchOptions, entry: list[str], module: bool, run_name: str | None = None) -> int:
+    """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI.
+    `run_name`: the run's name, for the command that continues it after a stop."""
     store = None  # single node: the agent's store, on loopback only, kept alive while the agent runs
     if not opts.multi_node and not opts.rdzv_endpoint and is_loopback(opts.master_addr or "127.0.0.1"):
         try:
@@ -191,9 +193,15 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
     except SignalException as e:  # the agent forwarded it to the workers and waited for them
-        if e.sigval == signal.SIGTERM:
-            log.warning("SIGTERM: the workers stopped at a step boundary with a checkpoint; relaunch with --resume")
-            return EXIT_PREEMPTED
+        again = f"--resume --run-id {run_name}" if run_name else "--resume"
+        if e.sigval in (signal.SIGTERM, signal.SIGINT):
+            what = "SIGTERM" if e.sigval == signal.SIGTERM else "Ctrl-C"
+            log.warning(
+                "%s: workers that were training stopped at a step boundary with a checkpoint. Continue with: %s",
+                what,
+                again,
+            )
+            return EXIT_PREEMPTED if e.sigval == signal.SIGTERM else EXIT_INTERRUPTED
         log.error("stopped by %s", signal.Signals(e.sigval).name)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -202,12 +210,12 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool) -> int:
         message: object = first.message  # the error file's text, or its nested {"message": ...} record
         if isinstance(message, dict):
             message = message.get("message", "")
-        if message:
+        if message and first.exitcode != EXIT_USER_ERROR:  # a user error's message is in the rank's log above
             log.error("rank %d error: %s", first_rank, message)
         for rank, failure in sorted(e.failures.items()):
             if rank != first_rank:
                 log.error("rank %d then: %s", rank, _describe(failure.exitcode, failure.signal_name()))
-        return 1
+        return EXIT_USER_ERROR if first.exitcode == EXIT_USER_ERROR else 1
     return 0
 
 

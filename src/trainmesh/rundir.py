@@ -1,30 +1,182 @@
-"""Run directories: `<run.out_dir>/<run.name>/`, named once and holding the resolved config.
+"""Run folders: `<run.out_dir>/<run.name>/`, named once, held by one job at a time, holding the resolved config.
 
-Both the launcher (before any process starts) and a worker started without it (plain torchrun, srun,
-python) create them; only rank 0 of a job writes into them afterwards.
+The launcher (before any process starts) or, without it (plain torchrun, srun, python), rank 0 of the
+job creates the folder and takes its lock; only rank 0 of a job writes into it afterwards.
+
+One job per folder: the lock is an exclusive `flock` on `<run>/.lock`, held for the job's lifetime. The
+kernel releases it when its holder dies, so a lock left by a killed job is simply taken over; the file
+names the holder (pid, host, job), for the message that refuses a second launch while the first is
+alive. The nodes of one multi-node job share a job id: on a shared file system the first node's launcher
+holds the lock and the others join it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import difflib
+import errno
+import fcntl
+import json
 import os
+import socket
+import time
 from pathlib import Path
+from typing import IO, Any
 
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
+from trainmesh.runtime.errors import UserError
+from trainmesh.runtime.files import open_file, write_atomically
+from trainmesh.runtime.logging import get_logger
+
+log = get_logger(__name__)
 
 CONFIG_FILE = "config.toml"
+LOCK_FILE = ".lock"
 
 
-def default_run_name(recipe: str) -> str:
-    return f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+class RunFolderError(UserError):
+    """The run folder cannot be created or used (not writable, or held by another live job)."""
+
+
+def new_job_id() -> str:
+    """A job id no other launch has: host, pid and time."""
+    return f"{socket.gethostname()}-{os.getpid()}-{dt.datetime.now().strftime('%Y%m%d%H%M%S%f')}"
+
+
+def create_run_dir(out_dir: Path, name: str) -> Path:
+    """`out_dir/name`, created if missing (an existing run folder is reused: --resume)."""
+    run_dir = out_dir / name
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(out_dir, e) from None
+    return run_dir
+
+
+def existing_run_dir(out_dir: Path, name: str) -> Path:
+    """The folder of the run to resume; a name with no folder (a misspelled --run-id) is refused."""
+    if not name:
+        raise RunFolderError(
+            "--resume needs the run to continue: add --run-id NAME (its folder under run.out_dir), "
+            "or leave out --resume to start a new run"
+        )
+    run_dir = out_dir / name
+    if run_dir.is_dir():
+        return run_dir
+    runs = [p for p in out_dir.iterdir() if p.is_dir()] if out_dir.is_dir() else []
+    runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    close = difflib.get_close_matches(name, [p.name for p in runs], n=1)
+    listing = f" Runs there, newest first: {', '.join(p.name for p in runs[:5])}." if runs else ""
+    raise RunFolderError(
+        f"--resume: there is no run folder {run_dir} (nothing to resume).{listing}"
+        + (f" Did you mean --run-id {close[0]}?" if close else "")
+        + " Fix: --run-id with the name of an existing run, or leave out --resume to start a new run."
+    )
+
+
+def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:
+    """A new folder `<recipe>-<date>-<time>` (then `-2`, `-3`, ...: launches within one second never
+    share one), created here, so that no other launch can take the same name."""
+    base = f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            run_dir = out_dir / (base if n == 1 else f"{base}-{n}")
+            with contextlib.suppress(FileExistsError):
+                run_dir.mkdir()
+                return run_dir
+    except OSError as e:
+        raise _unwritable(out_dir, e) from None
+    raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
+
+
+def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
+    return RunFolderError(
+        f"cannot create the run folder under run.out_dir={str(out_dir)!r}: {error.strerror} ({error.filename}). "
+        "Fix: --run.out_dir=<a folder you can write to>.",
+    )
 
 
 def write_config(run_dir: Path, config: Config) -> Path:
     """Write the resolved config atomically (several node launchers may write the same file)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
-    tmp.write_text(dump_toml(config_to_dict(config)))
-    tmp.replace(path)
+    write_atomically(path, dump_toml(config_to_dict(config)))
     return path
+
+
+class RunLock:
+    """The exclusive lock of one job on its run folder (see the module docstring). A context manager."""
+
+    def __init__(self, run_dir: Path, job: str) -> None:
+        self.run_dir, self.job = run_dir, job
+        self.path = run_dir / LOCK_FILE
+        self._file: IO[Any] | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this launch holds the lock (not: joined another node's, or no locks on this file system)."""
+        return self._file is not None
+
+    def acquire(self) -> bool:
+        """Take the lock, or join it when another node of this job holds it (returns False then).
+        Raises RunFolderError, naming the holder, when another job holds it."""
+        try:
+            lock_file = open_file(self.path, "a+")
+        except OSError as e:
+            raise RunFolderError(
+                f"cannot create {self.path}: {e.strerror}. Fix: --run.out_dir=<a folder you can write to>.",
+            ) from None
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            lock_file.close()
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a file system without locks
+                log.warning("%s: no file locks on this file system (%s); not guarding the run folder", self.path, e)
+                return False
+            holder = self.holder()
+            deadline = time.monotonic() + 2
+            while "job" not in holder and time.monotonic() < deadline:  # it has the lock, not yet written to it
+                time.sleep(0.1)
+                holder = self.holder()
+            if holder.get("job") == self.job:
+                return False  # another node of this very job took it first
+            raise RunFolderError(
+                f"run folder {self.run_dir} is in use by another job: pid {holder.get('pid', '?')} on host "
+                f"{holder.get('host', '?')} (started {holder.get('since', '?')}). Two jobs in one folder would "
+                "overwrite each other's config and checkpoints. Fix: wait for it to end (or stop it), or give this "
+                "run another --run-id.",
+            ) from None
+        lock_file.seek(0)
+        lock_file.truncate()
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "job": self.job, "since": _now()}
+        lock_file.write(json.dumps(record) + "\n")
+        lock_file.flush()
+        self._file = lock_file
+        return True
+
+    def holder(self) -> dict[str, Any]:
+        """What the lock file says about its holder ({} if it says nothing readable)."""
+        try:
+            with open_file(self.path, "r") as f:
+                record = json.loads(f.read(4096) or "{}")
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor releases the flock
+            self._file = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _now() -> str:
+    return dt.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -7,7 +7,7 @@ plain `torchrun -m trainmesh ...`, SLURM's `srun python -m trainmesh ...`, and a
 from __future__ import annotations
 
 import argparse
-import logging
+import hashlib
 import math
 import os
 import sys
@@ -20,15 +20,24 @@ from trainmesh.config import Config, ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config, parallel_layout, validate
 from trainmesh.recipes import Recipe, get_recipe
-from trainmesh.rundir import default_run_name, write_config
+from trainmesh.rundir import (
+    RunFolderError,
+    RunLock,
+    claim_new_run_dir,
+    create_run_dir,
+    existing_run_dir,
+    new_job_id,
+    write_config,
+)
 from trainmesh.runtime.dist import store_client
 from trainmesh.runtime.env import DistEnv
+from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import BlockOptions, DDPOptions, FSDPOptions, PipelineOptions
 from trainmesh.train.loop import TrainResult, train
-from trainmesh.train.preemption import EXIT_PREEMPTED, PreemptionWatch
-from trainmesh.train.watchdog import StallWatchdog
+from trainmesh.train.preemption import PreemptionWatch
+from trainmesh.train.watchdog import StallWatchdog, attempt_label
 
 log = get_logger(__name__)
 
@@ -57,31 +66,34 @@ def run_worker(
     run_dir: Path | None = None,
     recipe: Recipe | None = None,
     before_teardown: Callable[[TrainResult], None] | None = None,
+    job: str | None = None,
 ) -> TrainResult:
     """Train `config` in this process as one rank of the job described by the environment.
 
     `recipe` defaults to the built-in named by run.recipe; pass your own `Recipe` subclass to train it.
     `before_teardown` runs on every rank while the process group still exists, e.g. to gather a
-    sharded (fsdp) model's full weights with DTensor.full_tensor().
+    sharded (fsdp) model's full weights with DTensor.full_tensor(). `job` is the id of the launch that
+    holds the run folder's lock (`trainmesh run` passes it); without it, rank 0 takes the lock.
     """
     validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     runtime = build_runtime(config)
+    lock: RunLock | None = None
     try:
         # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a
         # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
         # so the ranks agree: when any rank restarted, or was asked to resume, all resume.
+        asked_to_resume = config.checkpoint.resume
         config.checkpoint.resume = bool(runtime.all_reduce(float(restarted or config.checkpoint.resume), "max"))
-        if run_dir is None:  # rank 0 names the run; everyone uses its choice
-            name = config.run.name or default_run_name(config.run.recipe)
-            run_dir = Path(runtime.broadcast_object(str(Path(config.run.out_dir) / name)))
+        _check_same_config(config, runtime)
+        run_dir, lock = _take_run_dir(config, run_dir, job, runtime, asked_to_resume and not restarted)
+        runtime.on_main(lambda: write_config(run_dir, config))
         if runtime.is_main_process:
-            write_config(run_dir, config)
             log.info("run directory: %s", run_dir)
             log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
-        runtime.barrier()
+        label = runtime.broadcast_object(attempt_label())  # rank 0's: every rank reports into one folder
         stall_watch = StallWatchdog(
-            run_dir, config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog")
+            run_dir, config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
         )
         with PreemptionWatch() as preemption, stall_watch as watchdog:
             result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption, watchdog)
@@ -91,22 +103,68 @@ def run_worker(
             before_teardown(result)
     except BaseException as e:
         # Report at once, on every rank: peers may fail next, and torchrun then stops this process too.
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if not isinstance(e, (UserError, KeyboardInterrupt, SystemExit)):  # user errors: main says what to fix
             log.error("rank %d failed: %s", runtime.rank, e, exc_info=True)
         runtime.teardown(success=False)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     runtime.teardown(success=True)
     return result
+
+
+def _check_same_config(config: Config, runtime: Runtime) -> None:
+    """Every rank must run one config: nodes of a job each read their own launcher's config file."""
+    digest = hashlib.sha256(dump_toml(config_to_dict(config)).encode()).hexdigest()
+    digests = runtime.all_gather_object(digest)
+    odd = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    if odd:  # every rank raises
+        raise ConfigError(
+            f"rank(s) {odd} were started with another config than rank 0 (the nodes of this job were launched with "
+            "different configs or overrides). Fix: launch every node with the same --config and overrides."
+        )
+
+
+def _take_run_dir(
+    config: Config, run_dir: Path | None, job: str | None, runtime: Runtime, check_resume: bool
+) -> tuple[Path, RunLock | None]:
+    """Collective: the run folder, named by rank 0 when the launcher did not, and locked for this job
+    (by the launcher that passed `job`, else by rank 0 here). Every rank gets the same folder or error."""
+    outcome: tuple[str, str] = ("", "")
+    lock = None
+    if runtime.is_main_process:
+        try:
+            if run_dir is not None:  # named by the launcher (which made it) or the library's caller
+                run_dir = create_run_dir(run_dir.parent, run_dir.name)
+            else:
+                out_dir = Path(config.run.out_dir)
+                if check_resume:
+                    run_dir = existing_run_dir(out_dir, config.run.name)
+                elif config.run.name:
+                    run_dir = create_run_dir(out_dir, config.run.name)
+                else:
+                    run_dir = claim_new_run_dir(out_dir, config.run.recipe)
+            lock = RunLock(run_dir, job or new_job_id())
+            if not lock.acquire():  # held by the launcher of this job (or another node's)
+                lock = None
+            outcome = (str(run_dir), "")
+        except UserError as e:
+            outcome = ("", str(e))
+    path, error = runtime.broadcast_object(outcome)
+    if error:
+        raise RunFolderError(error)
+    return Path(path), lock
 
 
 def _report(result: TrainResult, run_dir: Path) -> None:
     if result.preempted:
         log.warning(
-            "preempted at step %d; checkpoint %s. Continue with: --resume --run-id %s (exit code %d)",
+            "stopped at step %d with checkpoint %s. Continue with: --resume --run-id %s (exit code %d)",
             result.steps,
             result.checkpoint,
             run_dir.name,
-            EXIT_PREEMPTED,
+            result.exit_code,
         )
         return
     start = "" if math.isnan(result.initial_val_loss) else f" (at start {result.initial_val_loss:.4f})"
@@ -124,6 +182,7 @@ def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.name>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # the launch that holds the run folder's lock
     args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if a != "--"]
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
@@ -140,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             overrides.append("--checkpoint.resume=true")
         config = load_config(args.config, overrides, args.recipe)
-        result = run_worker(config, Path(args.run_dir) if args.run_dir else None)
-    except ConfigError as e:
-        logging.getLogger("trainmesh").error("config error: %s", e)
-        return 2
-    return EXIT_PREEMPTED if result.preempted else 0
+        result = run_worker(config, Path(args.run_dir) if args.run_dir else None, job=args.job)
+    except UserError as e:
+        log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        log.warning("stopped by Ctrl-C before a step boundary: nothing was saved by this attempt")
+        return EXIT_INTERRUPTED
+    return result.exit_code
 
 
 if __name__ == "__main__":

@@ -122,14 +122,16 @@ def test_rotation_keeps_the_newest_and_touches_nothing_else(tmp_path: Path) -> N
     assert (root / "notes").is_dir() and outside.is_dir() and (root / "step_00000000").is_symlink()
 
 
-def test_a_committed_step_is_never_overwritten(tmp_path: Path) -> None:
+def test_a_new_run_into_a_folder_with_checkpoints_is_refused_before_training(tmp_path: Path) -> None:
     first = [*RUN, "--train.max_steps=3", "--run.name=twice", "--train.micro_batch=4"]
     run_distributed(train_rank, 2, args=(str(tmp_path), first))
     committed = tmp_path / "runs" / "twice" / "checkpoints" / "step_00000003"
     before = (committed / "manifest.json").read_text()
-    with pytest.raises(DistributedTestError, match="never overwritten"):
+    metrics = (tmp_path / "runs" / "twice" / "metrics.jsonl").read_text()
+    with pytest.raises(DistributedTestError, match=r"(?s)already holds step_00000003.*starts at step 0.*--resume"):
         run_distributed(train_rank, 2, args=(str(tmp_path), first))  # a fresh run into the same directory
     assert (committed / "manifest.json").read_text() == before and verify(committed).ok
+    assert (tmp_path / "runs" / "twice" / "metrics.jsonl").read_text() == metrics  # refused before any step
 
 
 class _Payload:
@@ -181,14 +183,60 @@ def _symlinked_file(ckpt: Path) -> None:
     (ckpt / "rng" / "rank_0.pt").symlink_to(elsewhere)
 
 
-@pytest.mark.parametrize("escape", [_escape_via_manifest, _symlinked_file], ids=["dotdot-entry", "symlinked-file"])
+def _symlinked_dir(ckpt: Path) -> None:
+    """A listed file's directory replaced by a symlink to an identical copy elsewhere."""
+    elsewhere = ckpt.parents[2] / "rng-elsewhere"
+    shutil.copytree(ckpt / "rng", elsewhere)
+    shutil.rmtree(ckpt / "rng")
+    (ckpt / "rng").symlink_to(elsewhere, target_is_directory=True)
+
+
+@pytest.mark.parametrize(
+    "escape",
+    [_escape_via_manifest, _symlinked_file, _symlinked_dir],
+    ids=["dotdot-entry", "symlinked-file", "symlinked-dir"],
+)
 def test_paths_that_escape_the_checkpoint_are_rejected_on_load(
     reference: tuple[Path, dict], escape: Callable[[Path], None]
 ) -> None:
     root, _ = reference
     run_dir = _damaged_copy(root, f"escape-{escape.__name__}", escape)
     verdict = verify(run_dir / "checkpoints" / "step_00000006")
-    assert not verdict.ok and "points outside the checkpoint" in " ".join(verdict.problems)
+    report = " ".join(verdict.problems)
+    assert not verdict.ok and "points outside the checkpoint" in report
+    assert "bytes" not in report and "sha256" not in report  # nothing about the file outside leaks
+
+
+def test_a_stale_pointer_never_leaves_a_run_stuck(
+    reference: tuple[Path, dict], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A crash or a full disk between a commit and the pointer's update leaves `latest` naming step 3
+    while step 6 is committed. Resuming from 3 would die saving step 6 again, on every restart; resume
+    goes by the step each checkpoint holds instead."""
+    root, _ = reference
+    run_dir = _damaged_copy(root, "stale", lambda c: None)
+    (checkpoint_root(run_dir) / LATEST).write_text("step_00000003\n")
+    overrides = [*RUN, "--run.name=stale", "--checkpoint.resume=true", "--train.max_steps=9"]
+    run_distributed(train_rank, 1, args=(str(root), overrides))
+    log = capfd.readouterr().err
+    assert "names an older checkpoint" in log and re.search(r"resumed from \S*step_00000006", log)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003", "step_00000006", "step_00000009"]
+    assert (checkpoint_root(run_dir) / LATEST).read_text() == "step_00000009\n"
+
+
+def test_a_failed_pointer_update_costs_a_warning_not_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills right after step 3's commit rename (rank 0's pointer write): both ranks carry on,
+    and the committed checkpoint is used on resume."""
+    monkeypatch.setenv("TRAINMESH_FAULT", "rank=0,step=3,kind=diskfull,phase=commit")
+    overrides = [*RUN, "--run.name=full", "--train.micro_batch=4"]
+    run_distributed(train_rank, 2, args=(str(tmp_path), overrides))
+    log = capfd.readouterr().err
+    assert "step_00000003 is committed, but updating checkpoints/latest" in log and "No space left" in log
+    run_dir = tmp_path / "runs" / "full"
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003", "step_00000006"]
+    assert all(verify(p).ok for p in list_checkpoints(run_dir))
 
 
 def test_a_symlinked_checkpoints_folder_is_refused_on_save(tmp_path: Path) -> None:
@@ -197,6 +245,6 @@ def test_a_symlinked_checkpoints_folder_is_refused_on_save(tmp_path: Path) -> No
     run_dir = tmp_path / "runs" / "linked"
     run_dir.mkdir(parents=True)
     checkpoint_root(run_dir).symlink_to(outside, target_is_directory=True)
-    with pytest.raises(DistributedTestError, match="checkpoints are written only inside the run directory"):
+    with pytest.raises(DistributedTestError, match="is a symlink; trainmesh creates files under a run folder only"):
         run_distributed(train_rank, 1, args=(str(tmp_path), [*RUN, "--run.name=linked"]))
     assert not any(outside.iterdir())

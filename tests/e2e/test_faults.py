@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -120,33 +121,56 @@ def test_restarts_exhausted_fail_loudly_and_leave_only_committed_checkpoints(ref
     assert all((p / "trainer_state.json").is_file() for p in checkpoints)
 
 
-def test_sigterm_stops_at_a_step_boundary_and_relaunch_continues_exactly(tmp_path: Path) -> None:
-    """Preemption: SIGTERM to `trainmesh run` -> every rank stops at the same step, saves, exits 75;
-    `--resume` then ends bit for bit where an uninterrupted run ends."""
-    steps = ["--train.max_steps=150", "--checkpoint.final=true", "--model.dropout=0.1"]
-    reference = _train(tmp_path, "ref", restarts=0, overrides=steps)
+STOP = ["--train.max_steps=150", "--checkpoint.final=true", "--model.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def stop_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("stop")
+    reference = _train(root, "ref", restarts=0, overrides=STOP)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    return root, read_full_state(latest_checkpoint(root / "runs" / "ref"))["model"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [
+        (signal.SIGTERM, 75, "preemption requested (SIGTERM): stopping at step"),
+        (signal.SIGINT, 130, "Ctrl-C: stopping at step"),
+    ],
+    ids=["sigterm", "ctrl-c"],
+)
+def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
+    sig: signal.Signals, code: int, said: str, stop_reference: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    """Preemption (SIGTERM) or Ctrl-C (SIGINT, to the launcher as a terminal sends it): every rank stops at the
+    same step, saves, exits (75, 130) without a traceback; `--resume` then ends bit for bit where an
+    uninterrupted run ends."""
+    root, reference = stop_reference
+    name = f"stop-{sig.name}"
     job = subprocess.Popen(
-        _command(tmp_path, "pre", restarts=0, overrides=steps),
-        cwd=tmp_path,
-        env=_env(),
-        stderr=subprocess.PIPE,
-        text=True,
+        _command(root, name, restarts=0, overrides=STOP), cwd=root, env=_env(), stderr=subprocess.PIPE, text=True
     )
-    metrics = tmp_path / "runs" / "pre" / "metrics.jsonl"
+    metrics = root / "runs" / name / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 10):
         time.sleep(0.2)  # until training is well under way
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(sig)
     _, stderr = job.communicate(timeout=120)
-    assert job.returncode == 75, stderr[-3000:]
-    stopped = latest_checkpoint(tmp_path / "runs" / "pre")
+    assert job.returncode == code, stderr[-3000:]
+    stopped = latest_checkpoint(root / "runs" / name)
     assert stopped is not None and 0 < int(stopped.name[5:]) < 150, stderr[-2000:]
-    assert "preemption requested: stopping at step" in stderr
-    resumed = _train(tmp_path, "pre", "--resume", restarts=0, overrides=steps)
+    assert said in stderr and f"Continue with: --resume --run-id {name}" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if sig == signal.SIGINT:  # while here: a resume with another model is refused, plainly, on every rank
+        other = _train(root, name, "--resume", restarts=0, overrides=[*STOP, "--model.n_layer=3"])
+        assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+        assert len(re.findall(r"holds a different model; nothing was loaded", other.stderr)) == 2  # one per rank
+    resumed = _train(root, name, "--resume", restarts=0, overrides=STOP)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final, ref = (read_full_state(latest_checkpoint(tmp_path / "runs" / n)) for n in ("pre", "ref"))  # type: ignore[arg-type]
-    for key, value in ref["model"].items():
+    assert f"resumed from {stopped}" in resumed.stderr
+    final = read_full_state(latest_checkpoint(root / "runs" / name))  # type: ignore[arg-type]
+    for key, value in reference.items():
         assert torch.equal(final["model"][key], value), key
 
 
@@ -174,20 +198,64 @@ def test_a_stall_is_diagnosed_torn_down_and_restarted(name: str, fault: str, stu
     result = _train(root, name, fault=fault, overrides=[*OVERRIDES, "--dist.stall_timeout_s=3"])
     assert result.returncode == 0, result.stderr[-3000:]
     stalls = root / "runs" / name / "stalls"
-    report = (stalls / "attempt_0" / "report.txt").read_text()
+    (attempt,) = stalls.glob("*-attempt_0")  # one folder per attempt, named by when it started
+    report = (attempt / "report.txt").read_text()
     assert f"Did not arrive: rank(s) {stuck}." in report, report
     assert "completed no step for" in report and "after step 3" in report
-    waiting_peer = (stalls / "attempt_0" / f"rank_{1 - stuck}.txt").read_text()
+    waiting_peer = (attempt / f"rank_{1 - stuck}.txt").read_text()
     assert re.search(r'trainmesh/train/loop.py", line \d+ in train', waiting_peer), waiting_peer
     if name != "stopped":  # the stuck rank's own stack names the frame it is stuck in
-        stack = (stalls / "attempt_0" / f"rank_{stuck}.txt").read_text()
+        stack = (attempt / f"rank_{stuck}.txt").read_text()
         assert re.search(r'trainmesh/faults.py", line \d+ in _fire', stack), stack
-    assert not (stalls / "attempt_1").exists()  # the restarted attempt did not stall (and left no empty files)
+    assert not list(stalls.glob("*-attempt_1"))  # the restarted attempt did not stall (and left no empty files)
     assert not _processes_mentioning(f"runs/{name} "), "a process of the stalled attempt survived"
     _assert_same_as_reference(root, name, reference)
 
 
 ASYNC = [*OVERRIDES, "--checkpoint.async_save=true"]
+
+
+def _can_mount_a_small_disk() -> bool:
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs `unshare -rm` (a user namespace) for a small tmpfs")
+def test_a_really_full_disk_says_where_and_how_much_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A run on a 1.2 MB file system (a tmpfs in a user namespace): its first checkpoints fit, a later one
+    does not. Every rank stops with the same plain message naming the file, the free and the needed space;
+    what was committed before still verifies."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    trainmesh = str(BIN / "trainmesh")
+    run = [*_command(tmp_path, "full", restarts=0, overrides=["--train.max_steps=8", "--checkpoint.every=1"])]
+    run += [f"--run.out_dir={disk}"]
+    script = (
+        f"mount -t tmpfs -o size=1200k tmpfs {shlex.quote(str(disk))} || exit 99; {shlex.join(run)}; echo RUN_EXIT=$?; "
+        f"{shlex.quote(trainmesh)} ckpt verify {shlex.quote(str(disk / 'full'))}; echo VERIFY_EXIT=$?"
+    )
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert "RUN_EXIT=2" in result.stdout, result.stdout + result.stderr[-3000:]
+    found = re.findall(
+        r"\[rank(\d)\] ERROR saving checkpoint \S+ failed on rank\(s\) \[[\d, ]+\]; rank \d: (.*)", result.stderr
+    )
+    assert sorted(rank for rank, _ in found) == ["0", "1"], result.stderr[-3000:]
+    message = found[0][1]
+    assert re.search(r"No space left on device writing \S*full/checkpoints/\.step_\d+\.tmp", message), message
+    assert re.search(r"[\d.]+ MiB was free then, and a checkpoint of this run takes about [\d.]+ MiB", message), message
+    assert "Traceback" not in result.stderr
+    assert "VERIFY_EXIT=0" in result.stdout and "OK      " in result.stdout, result.stdout
 
 
 def test_async_checkpoints_hold_the_same_bytes_and_the_last_is_durable_at_exit(reference: tuple) -> None:
@@ -222,13 +290,13 @@ def test_a_full_disk_fails_every_rank_alike_and_keeps_the_previous_checkpoint(
     root = reference[0]
     name = "disk-full-" + ("async" if overrides is ASYNC else "sync")
     result = _train(root, name, fault="rank=1,step=4,kind=diskfull,phase=checkpoint", overrides=overrides, restarts=0)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a problem for the user to fix, said plainly
     run_dir = root / "runs" / name
     for rank in (0, 1):  # the same error, reported by each rank itself
-        failed = r"saving checkpoint \S*step_00000004 failed on rank\(s\) \[1\]"
-        pattern = rf"\[rank{rank}\] ERROR rank {rank} failed: {failed}"
-        assert re.search(pattern, result.stderr), result.stderr[-3000:]
-    assert "No space left on device" in result.stderr
+        failed = r"saving checkpoint \S*step_00000004 failed on rank\(s\) \[1\]; rank 1: No space left on device"
+        assert re.search(rf"\[rank{rank}\] ERROR {failed}", result.stderr), result.stderr[-3000:]
+    assert "was free then, and a checkpoint of this run takes about" in result.stderr
+    assert "Traceback" not in result.stderr
     checkpoints = list_checkpoints(run_dir)
     assert [p.name for p in checkpoints] == ["step_00000002"] and verify(checkpoints[0]).ok
     assert not list((run_dir / "checkpoints").glob("step_00000004*"))  # nothing half-written is left

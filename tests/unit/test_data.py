@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from trainmesh.data.corpus import embedded_files, shard_corpus, text_corpus
+from trainmesh.data.corpus import (
+    BadShardError,
+    check_token_range,
+    embedded_files,
+    load_tokens,
+    shard_corpus,
+    text_corpus,
+)
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import ByteTokenizer, get_tokenizer
 
@@ -58,3 +67,39 @@ def test_shard_folder_needs_both_splits(tmp_path: Path) -> None:
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "train_0.bin")
     with pytest.raises(ValueError, match=r"needs \*train\*.bin\|.npy and \*val\*"):
         shard_corpus(tmp_path)
+
+
+def test_bad_shards_are_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.save(tmp_path / "floats.npy", np.ones(4, dtype=np.float32))
+    (tmp_path / "pickled.npy").write_bytes(b"not an array")
+    for name, message in [
+        ("empty.bin", "empty.bin is empty (0 bytes)"),
+        ("odd.bin", "odd.bin has 3 bytes, not a whole number of 2-byte (uint16) token ids"),
+        ("floats.npy", "floats.npy holds a float32 array"),
+        ("pickled.npy", "pickled.npy is not a readable .npy array"),
+    ]:
+        with pytest.raises(BadShardError, match=re.escape(message)):
+            load_tokens(tmp_path / name)
+
+
+def test_token_ids_beyond_the_vocabulary_are_caught_once_at_the_start(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    np.array([1, 2, 3, 50256, 4], dtype=np.uint16).tofile(data / "train_0.bin")
+    np.arange(10, dtype=np.uint16).tofile(data / "val_0.bin")
+    corpus = shard_corpus(data)
+    with pytest.raises(BadShardError, match=r"train_0.bin holds token id 50256, outside .* of 50000.*vocab_size=50257"):
+        check_token_range(corpus, 50_000, tmp_path / "cache")
+    check_token_range(corpus, 50_304, tmp_path / "cache")  # fits
+    assert len(list((tmp_path / "cache" / "shard-stats").iterdir())) == 2  # each shard scanned once, remembered
+
+
+def test_text_that_is_not_utf8_is_trained_on_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = tmp_path / "latin1.txt"
+    source.write_bytes(("déjà vu " * 2000).encode("latin-1"))
+    with caplog.at_level(logging.WARNING, logger="trainmesh"):
+        corpus = text_corpus([source], ByteTokenizer(), 0.25, tmp_path / "cache")
+    assert "latin1.txt is not valid UTF-8 (first at byte 1 of 16000" in caplog.text
+    assert corpus.train and corpus.val

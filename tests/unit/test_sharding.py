@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh.data.sharding import DatasetTooSmallError, GlobalBatchSampler, eval_micro_batches
+from trainmesh.data.sharding import (
+    DataPosition,
+    DatasetTooSmallError,
+    GlobalBatchSampler,
+    eval_micro_batches,
+    position_at_step,
+)
 from trainmesh.train.batch import BatchPlan
 
 
@@ -36,7 +42,9 @@ def test_order_is_reproducible_from_the_seed_and_reshuffled_each_epoch() -> None
     assert torch.equal(a.epoch_order(0), b.epoch_order(0))
     assert not torch.equal(a.epoch_order(0), c.epoch_order(0))
     assert not torch.equal(a.epoch_order(0), a.epoch_order(1))
-    assert a.epoch_of(8) == 1 and a.global_batch_ids(8).tolist() == a.epoch_order(1)[:8].tolist()
+    assert (
+        a.position_after(8) == DataPosition(0, 64) and a.global_batch_ids(8).tolist() == a.epoch_order(1)[:8].tolist()
+    )
 
 
 def test_each_step_trains_on_the_same_samples_at_any_world_size() -> None:
@@ -52,8 +60,34 @@ def test_iterator_resumes_at_a_step() -> None:
     full = GlobalBatchSampler(40, plan, 1, seed=3)
     it = iter(full)
     batches = [next(it) for _ in range(plan.accum_steps * 7)]
-    resumed = iter(GlobalBatchSampler(40, plan, 1, seed=3, start_step=4))
+    start = full.position_after(4)
+    assert start == position_at_step(4, 8, 40) == DataPosition(0, 32)
+    resumed = iter(GlobalBatchSampler(40, plan, 1, seed=3, start=start))
     assert [next(resumed) for _ in range(plan.accum_steps * 3)] == batches[plan.accum_steps * 4 :]
+
+
+@pytest.mark.parametrize(("before", "after"), [(8, 4), (8, 12), (4, 16), (12, 8)])
+def test_a_changed_global_batch_continues_at_the_samples_seen(before: int, after: int) -> None:
+    """Resuming with another global batch (world size or micro-batch changed, global_batch unset) neither
+    repeats nor skips a sample: each epoch takes a prefix of its order, every sample at most once, and
+    stops short only by a ragged end smaller than a global batch."""
+    num = 40
+    first = GlobalBatchSampler(num, _plan(micro=before, dp=1, global_batch=before), 0, seed=5)
+    second = GlobalBatchSampler(
+        num, _plan(micro=after, dp=1, global_batch=after), 0, seed=5, start=first.position_after(7)
+    )
+    by_epoch: dict[int, list[int]] = {}
+    for sampler, steps in ((first, 7), (second, 9)):
+        for step in range(steps):
+            ids = sampler.global_batch_ids(step).tolist()
+            at = sampler.position_after(step)
+            epoch = at.epoch + (at.offset + sampler.plan.global_batch > num)  # a ragged end starts the next
+            by_epoch.setdefault(epoch, []).extend(ids)
+    assert len(by_epoch) >= 3
+    for epoch, ids in sorted(by_epoch.items()):
+        assert ids == first.epoch_order(epoch).tolist()[: len(ids)], f"epoch {epoch}: repeated or skipped samples"
+        if epoch < max(by_epoch):
+            assert num - len(ids) < max(before, after), f"epoch {epoch} ended early"
 
 
 def test_dataset_smaller_than_a_global_batch_is_rejected() -> None:

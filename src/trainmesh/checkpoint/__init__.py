@@ -7,9 +7,10 @@ from trainmesh.checkpoint.catalog import (
     list_checkpoints,
     step_dir,
 )
-from trainmesh.checkpoint.dcp import TrainerState, load_checkpoint, read_full_state
+from trainmesh.checkpoint.dcp import load_checkpoint, read_full_state
 from trainmesh.checkpoint.manifest import verify
 from trainmesh.checkpoint.saver import Checkpointer, CheckpointWriteError
+from trainmesh.checkpoint.state import TrainerState
 
 __all__ = [
     "CheckpointWriteError",

@@ -3,12 +3,15 @@
     <run>/checkpoints/step_00000300/     committed (renamed into place after its manifest was written)
     <run>/checkpoints/.step_00000400.tmp/  a save in progress, or one that crashed: never resumed
     <run>/checkpoints/step_00000200.corrupt/  failed verification: kept for inspection, never resumed
+    <run>/checkpoints/step_00000100.foreign/  holds another step than its name says (another run's)
     <run>/checkpoints/latest             the name of the newest committed checkpoint (a hint)
 
-Resuming picks the newest checkpoint that verifies against its manifest; a bad one is reported with
-the offending file and hash and moved aside, and the previous one is tried (or the run aborts, with
-`checkpoint.on_corrupt=abort`). Only names this module creates are ever listed, renamed or deleted,
-symlinks are never followed, and nothing outside `<run>/checkpoints` is touched.
+Resuming picks, by the step they hold, the newest checkpoint that verifies against its manifest and
+whose trainer state and DCP metadata read safely; `latest` is only a hint, so a crash or a full disk
+between a commit and the pointer's update loses nothing. A bad checkpoint is reported with the offending
+file and moved aside, and the previous one is tried (or the run aborts, with `checkpoint.on_corrupt=abort`).
+Only names this module creates are ever listed, renamed or deleted, symlinks are never followed, and
+nothing outside `<run>/checkpoints` is touched.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainmesh.checkpoint.manifest import fsync_dir, verify
+from trainmesh.checkpoint.manifest import verify
+from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_metadata
+from trainmesh.checkpoint.state import InvalidTrainerState, TrainerState
+from trainmesh.runtime.errors import UserError
+from trainmesh.runtime.files import fsync_dir, make_dirs, read_bytes, write_atomically
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -28,19 +35,35 @@ log = get_logger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
-_COMMITTED = re.compile(r"step_\d{8}")
+_COMMITTED = re.compile(r"step_(\d{8,})")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint failed verification and `checkpoint.on_corrupt=abort`."""
+
+
+class CheckpointCollisionError(UserError, FileExistsError):
+    """A run would save a step that the run folder already holds."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / CHECKPOINT_DIR
 
 
+def make_checkpoint_root(run_dir: Path) -> Path:
+    """`<run>/checkpoints`, a real directory inside the run folder (created when missing)."""
+    return make_dirs(run_dir, CHECKPOINT_DIR)
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step a committed checkpoint's name says it holds."""
+    match = _COMMITTED.fullmatch(path.name)
+    assert match, path
+    return int(match.group(1))
 
 
 def staging_dir(final: Path) -> Path:
@@ -53,49 +76,60 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir() or root.is_symlink():
         return []
     found = [p for p in root.iterdir() if _COMMITTED.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=step_of)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest committed checkpoint (by name; not verified)."""
+    """The newest committed checkpoint (by step; not verified)."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
 
 
 def write_latest(run_dir: Path, final: Path) -> None:
-    pointer = checkpoint_root(run_dir) / LATEST
-    tmp = pointer.with_name(f".{LATEST}.tmp")
-    tmp.write_text(final.name + "\n")
-    tmp.replace(pointer)
-    fsync_dir(pointer.parent)
+    write_atomically(checkpoint_root(run_dir) / LATEST, final.name + "\n", durable=True)
 
 
 def _candidates(run_dir: Path) -> list[Path]:
-    """Newest first; the `latest` pointer's target leads when it names a committed checkpoint."""
+    """Committed checkpoints, newest step first. The `latest` pointer is only compared: it can lag
+    behind a commit (a crash or a full disk between the rename and the pointer write)."""
     committed = list(reversed(list_checkpoints(run_dir)))
     pointer = checkpoint_root(run_dir) / LATEST
     try:
-        named = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        named = ""
-    by_name = {p.name: p for p in committed}
-    if named in by_name:
-        return [by_name[named], *(p for p in committed if p.name != named)]
-    if committed and pointer.exists():
-        log.warning("%s is garbled or dangling (%r); scanning for the newest checkpoint instead", pointer, named[:80])
+        named = read_bytes(pointer, 4096).decode().strip()
+    except FileNotFoundError:
+        return committed
+    except (OSError, ValueError):
+        named = "?"
+    if committed and named != committed[0].name:
+        names = {p.name for p in committed}
+        what = "an older checkpoint" if named in names else "no committed checkpoint (garbled or dangling)"
+        log.warning(
+            "%s names %s, but the newest committed checkpoint is %s: going by the step each one holds",
+            pointer,
+            what,
+            committed[0].name,
+        )
     return committed
 
 
 def find_resumable(run_dir: Path, runtime: Runtime, on_corrupt: str = "fallback") -> Path | None:
     """Collective: the newest checkpoint that verifies, with every rank agreeing on it."""
+    refusal = None
     if runtime.is_main_process:
         _remove_staging_leftovers(run_dir)
+        try:
+            _set_aside_foreign(run_dir, on_corrupt)
+        except CorruptCheckpointError as e:
+            refusal = str(e)
+    refusal = runtime.broadcast_object(refusal)  # every rank raises it, or none
+    if refusal:
+        raise CorruptCheckpointError(refusal)
     candidates = [Path(p) for p in runtime.broadcast_object([str(p) for p in _candidates(run_dir)])]
     for path in candidates:
-        verdict = verify(path, runtime)
-        if verdict.ok:
+        problems = check_checkpoint(path, runtime)
+        if not problems:
             return path
-        report = "\n  ".join(verdict.problems)
+        report = "\n  ".join(problems)
         if on_corrupt == "abort":
             raise CorruptCheckpointError(
                 f"checkpoint {path} failed verification:\n  {report}\n"
@@ -103,18 +137,68 @@ def find_resumable(run_dir: Path, runtime: Runtime, on_corrupt: str = "fallback"
             )
         if runtime.is_main_process:
             log.error("checkpoint %s failed verification, trying an older one:\n  %s", path, report)
-            _quarantine(path)
+            _set_aside(path, "corrupt")
         runtime.barrier()
     return None
 
 
-def _quarantine(path: Path) -> None:
-    target = path.with_name(f"{path.name}.corrupt")
+def check_checkpoint(path: Path, runtime: Runtime | None = None) -> list[str]:
+    """Why the checkpoint in `path` cannot be used (an empty list: it can). First its files against the
+    manifest (collective and spread over the ranks when `runtime` is given), then whether what they hold
+    reads as a trainmesh checkpoint: a valid trainer state for the step its name says, safe DCP metadata."""
+    problems = verify(path, runtime).problems
+    if problems:
+        return problems
+    if runtime is not None:  # every rank gets rank 0's verdict
+        return list(runtime.broadcast_object(check_checkpoint(path) if runtime.is_main_process else []))
+    try:
+        state = TrainerState.read(path)
+        read_metadata(path)
+    except (InvalidTrainerState, UntrustedCheckpointError) as e:
+        return [str(e)]
+    if _COMMITTED.fullmatch(path.name) and state.step != step_of(path):
+        return [f"{path}: holds step {state.step}, not the step its name says"]
+    return []
+
+
+def _set_aside_foreign(run_dir: Path, on_corrupt: str) -> None:
+    """Move aside every committed folder whose trainer state names another step than its folder (another
+    run's checkpoint dropped in): resumed, it would put the run at a step whose save then collides."""
+    for path in list_checkpoints(run_dir):
+        try:
+            held = TrainerState.read(path).step
+        except InvalidTrainerState:
+            continue  # judged by verification if it is ever a candidate
+        if held == step_of(path):
+            continue
+        message = f"{path} holds step {held}, not {step_of(path)}: a checkpoint of another run, copied in"
+        if on_corrupt == "abort":
+            raise CorruptCheckpointError(f"{message}. Fix: move it out of {path.parent}.")
+        log.error("%s; moving it aside", message)
+        _set_aside(path, "foreign")
+
+
+def check_no_collision(run_dir: Path, start_step: int, runtime: Runtime) -> None:
+    """Collective: refuse, before training, a run whose saves would meet committed checkpoints (a new run
+    started without --resume in a folder that already has some)."""
+    ahead = [p.name for p in list_checkpoints(run_dir) if step_of(p) > start_step] if runtime.is_main_process else []
+    ahead = runtime.broadcast_object(ahead)
+    if ahead:
+        raise CheckpointCollisionError(
+            f"{checkpoint_root(run_dir)} already holds {', '.join(ahead[-3:])}"
+            f"{' and more' if len(ahead) > 3 else ''}, and this run starts at step {start_step}: its checkpoints "
+            "would collide with them. Fix: --resume to continue that run, or a new --run-id (run.name) for a new one."
+        )
+
+
+def _set_aside(path: Path, why: str) -> None:
+    target = path.with_name(f"{path.name}.{why}")
     n = 1
-    while target.exists():
+    while target.exists() or target.is_symlink():
         n += 1
-        target = path.with_name(f"{path.name}.corrupt{n}")
+        target = path.with_name(f"{path.name}.{why}{n}")
     path.rename(target)
+    fsync_dir(path.parent)
     log.error("moved it aside to %s (nothing was loaded from it)", target)
 
 

@@ -8,84 +8,72 @@ Layout of one checkpoint, `<run>/checkpoints/step_00000300/`:
 
 A checkpoint is written under a temporary name, hashed and fsynced, and renamed into place only then,
 so a directory named `step_*` is complete; resuming verifies it against its manifest before anything
-in it is parsed (catalog.py). Everything non-tensor is JSON, and RNG files load with `weights_only=True`.
+in it is parsed (catalog.py). Everything non-tensor is JSON, RNG files load with `weights_only=True`, and
+DCP's own files are read through reader.py, so a checkpoint from elsewhere cannot run code here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import pickle
 import random
-import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainmesh.checkpoint.reader import (
+    SafeLoadPlanner,
+    SafeReader,
+    UntrustedCheckpointError,
+    read_metadata,
+    saved_tensors,
+    set_path,
+)
+from trainmesh.checkpoint.state import TrainerState
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
 
 log = get_logger(__name__)
-
-TRAINER_STATE = "trainer_state.json"
-
-
-@dataclass
-class TrainerState:
-    """Everything besides tensors that a resume needs."""
-
-    step: int = 0
-    """Optimizer steps completed; with the global batch it fixes the data position."""
-    samples_seen: int = 0
-    """Samples consumed over all ranks."""
-    world_size: int = 1
-    precision: dict[str, Any] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    versions: dict[str, str] = field(default_factory=dict)
+E = TypeVar("E", bound=BaseException)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> TrainerState:
     """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
-    state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    state = TrainerState.read(path)
     model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
     ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
     if not runtime.strategy.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
         ours = {key: shape for part in runtime.all_gather_object(ours) for key, shape in part.items()}
     _check_matches(path, ours)
     loaded = {"model": model_state, "optim": optim_state}
-    with single_process_quiet():
-        dcp.load(loaded, checkpoint_id=str(path))
+    _load(loaded, path)
     runtime.strategy.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
     runtime.precision.load_state_dict(state.precision)
     rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
     if state.world_size == runtime.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        try:
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        except pickle.UnpicklingError as e:
+            raise UntrustedCheckpointError(f"{rng_file}: refused, {str(e).splitlines()[0]}") from None
     else:
         log.warning("checkpoint from world size %d: RNG streams restart from the seed", state.world_size)
     log.info("resumed from %s (step %d)", path, state.step)
     return state
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """The checkpoint holds a different model (names or shapes); nothing was loaded."""
-
-
-def saved_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
-    """Name -> shape, dtype of every tensor in a checkpoint ("model.*", "optim.*"), from DCP's metadata
-    (a pickle: call this only on a checkpoint verified against its manifest)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def _check_matches(path: Path, ours: dict[str, tuple[int, ...]]) -> None:
@@ -93,7 +81,7 @@ def _check_matches(path: Path, ours: dict[str, tuple[int, ...]]) -> None:
     loading anything."""
     saved = {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in saved_tensors(path).items()  # verified against the manifest already
+        for key, meta in saved_tensors(path).items()
         if key.startswith("model.")
     }
     missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
@@ -122,13 +110,58 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def read_full_state(path: Path) -> dict[str, Any]:
-    """Every tensor of a committed checkpoint, in one process and without a process group
-    ({"model": {...}, "optim": {...}}); for inspection, comparison and export."""
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "full.pt"
+    """Every value of a checkpoint, in one process and without a process group ({"model": {...},
+    "optim": {...}}, nested as it was saved); for inspection, comparison and export."""
+    metadata = read_metadata(path)
+    flat: dict[str, Any] = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        for key, meta in metadata.state_dict_metadata.items()
+    }
+    _load(flat, path, no_dist=True)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        set_path(nested, _nesting(paths.get(key), key), value)
+    return nested
+
+
+def _load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """dcp.load through the safe reader and planner; a refusal comes out as itself, not wrapped in DCP's
+    CheckpointException (which names only the ranks)."""
+    try:
         with single_process_quiet():
-            dcp_to_torch_save(str(path), str(target))
-        return dict(torch.load(target, weights_only=True))
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:
+        refusal = find_cause(e, UntrustedCheckpointError)
+        if refusal is not None:
+            raise UntrustedCheckpointError(f"{path}: {refusal}") from None
+        raise
+
+
+def find_cause(error: BaseException | None, kind: type[E]) -> E | None:
+    """The first exception of `kind` in `error`, its causes and contexts, and the per-rank failures DCP
+    wraps in a CheckpointException."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, kind):
+            return current
+        if isinstance(current, CheckpointException):
+            todo += [exc for exc, _ in current.failures.values()]
+        todo += [current.__cause__, current.__context__]
+    return None
+
+
+def _nesting(path: Any, key: str) -> tuple[str | int, ...]:
+    """Where DCP's planner data puts a flat key, when it is a plain path (else the key itself)."""
+    if not isinstance(path, tuple) or not path or not isinstance(path[0], str):
+        return (key,)
+    plain = all(isinstance(k, str) or (isinstance(k, int) and 0 <= k < 2**20) for k in path)
+    return path if plain else (key,)
 
 
 def rng_state() -> dict[str, Any]:

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from trainmesh.checkpoint.catalog import CHECKPOINT_DIR
-from trainmesh.checkpoint.dcp import TRAINER_STATE, read_full_state
+from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, check_checkpoint
+from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
-from trainmesh.checkpoint.manifest import verify
+from trainmesh.checkpoint.state import TrainerState
+from trainmesh.runtime.files import make_dirs, open_file
 from trainmesh.runtime.logging import get_logger
 from trainmesh.versions import versions
 
@@ -58,12 +59,12 @@ def exportable_checkpoint(path: Path) -> Path:
     is_run_dir = candidates != [path]
     problems: list[str] = []
     for ckpt in reversed(candidates):
-        verdict = verify(ckpt)
-        if verdict.ok:
+        found = check_checkpoint(ckpt)
+        if not found:
             return ckpt
-        problems += verdict.problems
+        problems += found
         if is_run_dir:
-            log.warning("skipping %s, which fails verification:\n  %s", ckpt, "\n  ".join(verdict.problems))
+            log.warning("skipping %s, which fails verification:\n  %s", ckpt, "\n  ".join(found))
     what = "no checkpoint of this run verifies" if is_run_dir else "refusing to export an unverified checkpoint"
     raise ExportError(f"{what}:\n  " + "\n  ".join(problems))
 
@@ -77,17 +78,23 @@ def default_output(ckpt: Path, step: int) -> Path:
 def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) -> Exported:
     """Verify, then write the model weights of a checkpoint (or a run's newest valid one) to safetensors."""
     ckpt = exportable_checkpoint(path)
-    state: dict[str, Any] = json.loads((ckpt / TRAINER_STATE).read_text())
-    step = int(state["step"])
+    state = TrainerState.read(ckpt)
+    step = state.step
+    in_run = out is None
     out = out if out is not None else default_output(ckpt, step)
     if out.is_dir():
         raise ExportError(f"{out} is a directory. Fix: -o a file path, e.g. -o {out / 'model.safetensors'}")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists. Fix: pass --force to overwrite it, or -o another path.")
     tensors = standalone_tensors(read_full_state(ckpt)["model"])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if in_run:  # inside the run folder: a real directory, not one planted as a symlink
+        make_dirs(out.parent.parent, EXPORT_DIR)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a crashed export's; unlink never follows a symlink
     try:
+        open_file(tmp, "xb").close()  # created here, so that save_file writes to no symlink's target
         save_file(tensors, str(tmp), metadata=_metadata(state))
         tmp.replace(out)
     finally:
@@ -113,13 +120,13 @@ def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _metadata(state: dict[str, Any]) -> dict[str, str]:
-    config = state["config"]
+def _metadata(state: TrainerState) -> dict[str, str]:
+    run, model = state.config.get("run", {}), state.config.get("model", {})
     return {
         "format": "pt",  # the convention of Hugging Face loaders: PyTorch tensor layout
-        "trainmesh.step": str(state["step"]),
-        "trainmesh.recipe": str(config["run"]["recipe"]),
-        "trainmesh.model_config": json.dumps(config["model"], sort_keys=True),
-        "trainmesh.saved_with": json.dumps(state.get("versions", {}), sort_keys=True),
+        "trainmesh.step": str(state.step),
+        "trainmesh.recipe": str(run.get("recipe", "") if isinstance(run, dict) else ""),
+        "trainmesh.model_config": json.dumps(model, sort_keys=True),
+        "trainmesh.saved_with": json.dumps(state.versions, sort_keys=True),
         "trainmesh.exported_with": json.dumps(versions(), sort_keys=True),
     }

@@ -1,17 +1,18 @@
 """`trainmesh ckpt verify|inspect`: check and describe checkpoints offline, in one process.
 
-Verification comes first and gates everything else: DCP's `.metadata` is a pickle, so it is read only
-once its hash matches the manifest.
+Verification comes first and gates everything else: the files must match the manifest (no damage), and
+what they hold must read as a trainmesh checkpoint: a valid trainer state, and DCP metadata that the
+allow-listing unpickler of reader.py accepts (a checkpoint from elsewhere cannot run code here).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from trainmesh.checkpoint.catalog import list_checkpoints
-from trainmesh.checkpoint.dcp import saved_tensors
-from trainmesh.checkpoint.manifest import Verdict, verify
+from trainmesh.checkpoint.catalog import check_checkpoint, list_checkpoints
+from trainmesh.checkpoint.manifest import Verdict
+from trainmesh.checkpoint.reader import saved_tensors
+from trainmesh.checkpoint.state import TrainerState
 
 
 def checkpoints_at(path: Path) -> list[Path]:
@@ -25,20 +26,22 @@ def checkpoints_at(path: Path) -> list[Path]:
 
 
 def verify_all(path: Path) -> list[Verdict]:
-    return [verify(ckpt) for ckpt in checkpoints_at(path)]
+    return [Verdict(ckpt, check_checkpoint(ckpt)) for ckpt in checkpoints_at(path)]
 
 
 def describe(ckpt: Path) -> str:
     """Step, provenance and every tensor (name, shape, dtype) of a verified checkpoint."""
-    verdict = verify(ckpt)
-    if not verdict.ok:
-        raise ValueError("refusing to read an unverified checkpoint:\n  " + "\n  ".join(verdict.problems))
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    problems = check_checkpoint(ckpt)
+    if problems:
+        raise ValueError("refusing to read an unverified checkpoint:\n  " + "\n  ".join(problems))
+    state = TrainerState.read(ckpt)
+    run = state.config.get("run", {})
     lines = [
         f"checkpoint {ckpt}",
-        f"  step {state['step']}, {state['samples_seen']:,} samples seen, saved by {state['world_size']} rank(s)",
-        "  versions: " + ", ".join(f"{k} {v}" for k, v in state["versions"].items()),
-        f"  recipe {state['config']['run']['recipe']}, model {state['config']['model']}",
+        f"  step {state.step}, {state.samples_seen:,} samples seen, saved by {state.world_size} rank(s)"
+        + (f", global batch {state.global_batch:,}" if state.global_batch else ""),
+        "  versions: " + ", ".join(f"{k} {v}" for k, v in state.versions.items()),
+        f"  recipe {run.get('recipe') if isinstance(run, dict) else '?'}, model {state.config.get('model')}",
     ]
     tensors = saved_tensors(ckpt)
     total = 0
@@ -51,5 +54,6 @@ def describe(ckpt: Path) -> str:
             for name in names:
                 meta = tensors[name]
                 lines.append(f"    {name[len('model.') :]:<40} {tuple(meta.size)!s:<16} {meta.properties.dtype}")
-    lines.append(f"  files: {sum(p.stat().st_size for p in ckpt.rglob('*') if p.is_file()):,} bytes")
+    files = [p for p in ckpt.rglob("*") if p.is_file() and not p.is_symlink()]
+    lines.append(f"  files: {sum(p.stat().st_size for p in files):,} bytes")
     return "\n".join(lines)

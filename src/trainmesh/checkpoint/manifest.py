@@ -12,9 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trainmesh.runtime.files import read_bytes, write_atomically
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 FORMAT = 1
 _CHUNK = 1 << 20
+_MAX_MANIFEST_BYTES = 256 * 2**20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -72,14 +77,12 @@ def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:
     local otherwise (e.g. `trainmesh ckpt verify`); every rank gets the same verdict."""
     verdict = Verdict(folder)
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        files: dict[str, dict[str, Any]] = manifest["files"]
-        assert manifest["format"] == FORMAT and isinstance(files, dict)
+        files = _read_manifest(folder)
     except FileNotFoundError:
         verdict.problems.append(f"{folder}: no {MANIFEST} (never committed by trainmesh, or written by an old version)")
         return verdict
-    except (ValueError, KeyError, TypeError, AssertionError):
-        verdict.problems.append(f"{folder / MANIFEST}: garbled")
+    except (OSError, ValueError) as e:
+        verdict.problems.append(f"{folder / MANIFEST}: garbled ({e})")
         return verdict
     names = sorted(files)
     mine = _my_share(names, runtime) if runtime else names
@@ -94,9 +97,29 @@ def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:
     return verdict
 
 
+def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's entries, each checked: a relative name, a size, a SHA-256 (ValueError otherwise)."""
+    manifest = json.loads(read_bytes(folder / MANIFEST, _MAX_MANIFEST_BYTES))
+    if not (
+        isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
+    ):
+        raise ValueError(f"not a format-{FORMAT} manifest")
+    for name, entry in manifest["files"].items():
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry["size"], bool)
+            and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.fullmatch(entry["sha256"])
+        ):
+            raise ValueError(f"entry {name[:200]!r} is not {{'size': <bytes>, 'sha256': <64 hex digits>}}")
+    return dict(manifest["files"])
+
+
 def _check_file(folder: Path, name: str, expected: dict[str, Any]) -> str | None:
     path = folder / name
-    if Path(name).is_absolute() or ".." in Path(name).parts or path.is_symlink():
+    if Path(name).is_absolute() or ".." in Path(name).parts or _through_symlink(folder, path):
         return f"{folder / MANIFEST}: entry {name!r} points outside the checkpoint (absolute, '..' or a symlink)"
     if not path.is_file():
         return f"{path}: missing"
@@ -108,21 +131,15 @@ def _check_file(folder: Path, name: str, expected: dict[str, Any]) -> str | None
     return None
 
 
+def _through_symlink(folder: Path, path: Path) -> bool:
+    """Whether `path` or a directory between `folder` and it is a symlink."""
+    while path != folder:
+        if path.is_symlink():
+            return True
+        path = path.parent
+    return False
+
+
 def write_json_durably(path: Path, data: Any) -> None:
     """Write JSON under a temporary name, fsync it, and rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or new entry in `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, json.dumps(data, indent=1), durable=True)

@@ -1,12 +1,14 @@
 """Writing checkpoints: every rank in parallel, committed atomically, optionally in the background.
 
 One save, in order (the layout is described in dcp.py):
-    1. rank 0 creates `step_N.tmp-*` (a committed `step_N` is never overwritten)
+    1. rank 0 creates `.step_N.tmp` (a committed `step_N` is never overwritten)
     2. DCP writes the model and optimizer shards; each rank writes its RNG state; rank 0 the trainer state
-    3. every rank reports whether its writes succeeded; if any failed (a full disk, say), every rank
-       raises the same `CheckpointWriteError`, the staging folder is removed and older checkpoints stay
-    4. the manifest: every file hashed and fsynced, in parallel over the ranks
-    5. the commit: rank 0 renames the folder to `step_N`, updates `latest`, rotates (keep_last)
+    3. the manifest: every file hashed and fsynced, in parallel over the ranks; rank 0 writes it
+    4. the commit: rank 0 renames the folder to `step_N`, then updates `latest` and rotates (keep_last)
+Every rank learns the outcome of each step: if any rank's part failed (a full disk, say), every rank
+raises the same `CheckpointWriteError` at the same point, the staging folder is removed and older
+checkpoints stay. Once the rename is done the checkpoint is committed: a pointer that could not be
+updated is only a warning, since resuming goes by the step each checkpoint holds (catalog.py).
 
 With `checkpoint.async_save`, step 1 and a copy of the state to CPU memory (DCP's async_save staging)
 happen at the step boundary; steps 2-5 run in a background thread, over a second gloo process group so
@@ -17,6 +19,7 @@ process exits, and an error in the background is raised on every rank at the sam
 
 from __future__ import annotations
 
+import errno
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,11 +32,23 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
-from trainmesh.checkpoint.catalog import rotate, staging_dir, step_dir, write_latest
-from trainmesh.checkpoint.dcp import TRAINER_STATE, TrainerState, rng_state, single_process_quiet
-from trainmesh.checkpoint.manifest import fsync_dir, write_json_durably, write_manifest
+from trainmesh.checkpoint.catalog import (
+    CheckpointCollisionError,
+    list_checkpoints,
+    make_checkpoint_root,
+    rotate,
+    staging_dir,
+    step_dir,
+    write_latest,
+)
+from trainmesh.checkpoint.dcp import find_cause, rng_state, single_process_quiet
+from trainmesh.checkpoint.manifest import write_json_durably, write_manifest
+from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
 from trainmesh.faults import maybe_inject
+from trainmesh.runtime.errors import UserError
+from trainmesh.runtime.files import fsync_dir
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -44,7 +59,11 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-class CheckpointWriteError(RuntimeError):
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_MESSAGE = "No space left on device"
+
+
+class CheckpointWriteError(UserError, RuntimeError):
     """A checkpoint could not be written; raised on every rank alike. Older checkpoints are intact."""
 
 
@@ -57,6 +76,7 @@ class _Save:
     final: Path
     trainer_state: dict[str, Any]
     rng: dict[str, Any]
+    sizes: dict[str, tuple[int, bool]]  # of this rank's tensors (`_tensor_sizes`)
     state_dict: dict[str, Any] | None  # written synchronously, or
     written: Future[Any] | None  # being written by DCP's async_save
 
@@ -80,21 +100,15 @@ class Checkpointer:
         self.wait()  # one save in flight at most
         rt = self.runtime
         final = step_dir(self.run_dir, state.step)
-        if any(p.is_symlink() for p in (final.parent, final.parent.parent)):
-            raise ValueError(
-                f"{final.parent} is or lies in a symlink: checkpoints are written only inside the run "
-                "directory. Fix: make run.out_dir/<run>/checkpoints a real directory."
+        if rt.broadcast_object((final.exists() or final.is_symlink()) if rt.is_main_process else False):
+            raise CheckpointCollisionError(
+                f"checkpoint {final} already exists; a committed checkpoint is never overwritten"
             )
-        staging = staging_dir(final)
-        if rt.broadcast_object(final.exists() if rt.is_main_process else False):
-            raise FileExistsError(f"checkpoint {final} already exists; a committed checkpoint is never overwritten")
-        if rt.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)  # leftover of a crashed save of this step
-            (staging / "rng").mkdir(parents=True)
-        rt.barrier()
         model_state, optim_state = rt.strategy.state_dicts(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
-        job = _Save(state.step, staging, final, asdict(state), rng_state(), None, None)
+        staging = staging_dir(final)
+        job = _Save(state.step, staging, final, asdict(state), rng_state(), _tensor_sizes(tensors), None, None)
+        self._agreed(lambda: self._make_staging(staging) if rt.is_main_process else None, job)
         if self._executor is None:
             job.state_dict = tensors
             self._complete(job)
@@ -106,6 +120,15 @@ class Checkpointer:
             job.written = cast(Future, written)
         self._pending = self._executor.submit(self._complete, job)
         return final
+
+    def _make_staging(self, staging: Path) -> None:
+        """Rank 0: an empty staging folder, in a real `checkpoints` directory of the run."""
+        make_checkpoint_root(self.run_dir)  # refuses a symlinked checkpoints folder
+        if staging.is_symlink():
+            staging.unlink()
+        elif staging.exists():
+            shutil.rmtree(staging)  # leftover of a crashed save of this step
+        (staging / "rng").mkdir(parents=True)
 
     def wait(self) -> None:
         """Until the save in flight is committed (re-raising its error, on every rank alike)."""
@@ -121,7 +144,7 @@ class Checkpointer:
             self._stager.close()
 
     def _complete(self, job: _Save) -> None:
-        """Steps 2-5 of the module docstring (in the background thread for async saves)."""
+        """Steps 2-4 of the module docstring (in the background thread for async saves)."""
         rt = self.runtime
 
         def write_mine() -> None:
@@ -135,34 +158,113 @@ class Checkpointer:
             if rt.is_main_process:
                 write_json_durably(job.staging / TRAINER_STATE, job.trainer_state)
 
+        def commit() -> None:
+            if rt.is_main_process:
+                job.staging.rename(job.final)
+                fsync_dir(job.final.parent)
+                log.info("saved checkpoint %s", job.final)
+
         self._agreed(write_mine, job)
-        write_manifest(job.staging, rt, self._group)  # hashes and fsyncs everything, in parallel over the ranks
+        self._agreed(lambda: write_manifest(job.staging, rt, self._group), job)  # hashes and fsyncs, in parallel
+        self._agreed(commit, job)
         if rt.is_main_process:
-            job.staging.rename(job.final)  # the commit
-            fsync_dir(job.final.parent)
+            self._after_commit(job)
+
+    def _after_commit(self, job: _Save) -> None:
+        """Rank 0: point `latest` at the new checkpoint and rotate. The checkpoint is committed already,
+        so a failure here costs a warning, not the run."""
+        try:
+            maybe_inject(job.step, "commit", self.runtime.rank, self.run_dir)  # test hook: e.g. the disk fills
             write_latest(self.run_dir, job.final)
             for old in rotate(self.run_dir, self.keep_last):
                 log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, self.keep_last)
-            log.info("saved checkpoint %s", job.final)
-        rt.barrier(self._group)
+        except OSError as e:
+            log.warning(
+                "checkpoint %s is committed, but updating checkpoints/latest or removing old checkpoints failed: %s. "
+                "Nothing is lost: resuming goes by the step each checkpoint holds.",
+                job.final,
+                e,
+            )
 
-    def _agreed(self, write: Callable[[], None], job: _Save) -> None:
-        """Run this rank's writes; if any rank's failed, fail on every rank with the same error (a rank
-        that raised alone would leave the others waiting in the next collective until the timeout)."""
+    def _agreed(self, action: Callable[[], None], job: _Save) -> None:
+        """Run this rank's part of a step; if any rank's part failed, fail on every rank with the same
+        error (a rank that raised alone would leave the others waiting in the next collective until the
+        timeout)."""
         try:
-            write()
+            action()
             error = None
         except (OSError, CheckpointException) as e:
-            error = f"{type(e).__name__}: {e}"
-        errors = self.runtime.all_gather_object(error, group=self._group)
-        failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+            error = _describe_error(e, job.staging, sum(size for size, _ in job.sizes.values()))
+        free = shutil.disk_usage(job.staging.parent).free if error else 0  # before the staging folder goes
+        outcomes = self.runtime.all_gather_object((error, free), group=self._group)
+        failed = {rank: (e, free) for rank, (e, free) in enumerate(outcomes) if e}
         if not failed:
             return
         if self.runtime.is_main_process:
             shutil.rmtree(job.staging, ignore_errors=True)
-        rank, first = next(iter(failed.items()))
+        rank, (first, free) = next(iter(failed.items()))
+        fix = "Fix: the cause above; then continue with --resume."
+        if first.startswith(_NO_SPACE_MESSAGE):
+            needed = self._needed_bytes(self.runtime.all_gather_object(job.sizes, group=self._group))
+            first += f"; {_mib(free)} was free then, and a checkpoint of this run takes about {_mib(needed)}"
+            fix = (
+                "Fix: free disk space (or point run.out_dir elsewhere, or keep fewer checkpoints with "
+                "checkpoint.keep_last) and continue with --resume."
+            )
         raise CheckpointWriteError(
             f"saving checkpoint {job.final} failed on rank(s) {sorted(failed)}; rank {rank}: {first}. "
-            "Nothing was committed and older checkpoints are intact. Fix: free disk space (or point run.out_dir "
-            "elsewhere) and resume with --resume."
+            f"Nothing was committed and older checkpoints are intact. {fix}"
         )
+
+    def _needed_bytes(self, sizes: list[dict[str, tuple[int, bool]]]) -> int:
+        """What a checkpoint of this run takes on disk: the newest committed one's size, or else an estimate
+        from the tensors (shards add up; DCP writes a replicated tensor once)."""
+        committed = list_checkpoints(self.run_dir)
+        if committed:
+            return sum(p.stat().st_size for p in committed[-1].rglob("*") if p.is_file() and not p.is_symlink())
+        shards = sum(size for per_rank in sizes for size, sharded in per_rank.values() if sharded)
+        replicated = {name: size for per_rank in sizes for name, (size, sharded) in per_rank.items() if not sharded}
+        return shards + sum(replicated.values())
+
+
+def _describe_error(error: BaseException, staging: Path, writing: int) -> str:
+    """The root cause of this rank's failed write (`writing` bytes), with the path it concerns.
+
+    DCP wraps each rank's exception in a CheckpointException and gathers the ranks' exceptions by
+    pickling, which drops their causes: a full disk then shows only as the RuntimeError of torch's file
+    writer ("unexpected pos ..."). So when no OSError is left to read, a file system with less room than
+    this rank was writing counts as full."""
+    cause = find_cause(error, OSError)
+    if cause is not None and cause.errno in _NO_SPACE:
+        return f"{_NO_SPACE_MESSAGE} writing {cause.filename or staging}"
+    if cause is not None:
+        return f"{cause.strerror or cause} ({cause.filename or staging})"
+    first = _first_failure(error)
+    what = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+    if shutil.disk_usage(staging.parent).free < writing:
+        return f"{_NO_SPACE_MESSAGE} writing {staging} ({what})"
+    return what
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception inside DCP's CheckpointException wrappers (one rank's)."""
+    while isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return error
+
+
+def _tensor_sizes(state: Any, prefix: str = "") -> dict[str, tuple[int, bool]]:
+    """Name -> (bytes this rank holds, whether it is a shard) of every tensor in a nested state dict."""
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in _tensor_sizes(value, f"{prefix}{key}.").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _tensor_sizes(value, f"{prefix}{i}.").items()}
+    if isinstance(state, torch.Tensor):
+        sharded = isinstance(state, DTensor)  # this rank holds its local shard
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return {prefix.rstrip("."): (local.numel() * local.element_size(), sharded)}
+    return {}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

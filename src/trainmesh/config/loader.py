@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -15,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.config.schema import Config, ModelConfig
+from trainmesh.runtime.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration the user must fix; the message names the key and the fix."""
 
 
@@ -152,6 +154,8 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return int(value)
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
             return float(value)
     elif kind is str:
         if isinstance(value, str):

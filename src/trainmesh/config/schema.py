@@ -6,6 +6,7 @@ world size) live in `trainmesh.config.validate`. The recipe supplies the `[model
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ def _one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
 def _at_least(key: str, value: float, low: float) -> None:
     if value < low:
         raise ValueError(f"{key}={value} must be >= {low}")
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
@@ -43,6 +47,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _at_least("run.log_every", self.log_every, 1)
+        if self.name and not RUN_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"run.name={self.name!r} (--run-id) is not a run name: it must be one folder name of letters, digits, "
+                "'.', '_' and '-', starting with a letter or digit, at most 128 characters (e.g. --run-id gpt-exp1)"
+            )
 
 
 @dataclass
@@ -208,6 +217,11 @@ class OptimConfig:
         _at_least("optim.warmup_steps", self.warmup_steps, 0)
         _one_of("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
         _one_of("optim.fused", self.fused, ("auto", "true", "false"))
+        if self.lr > 1:
+            raise ValueError(
+                f"optim.lr={self.lr} is far above any AdamW learning rate (typically 1e-4 to 1e-2): each step moves "
+                "every weight by about lr, so training diverges at once. Fix: e.g. --optim.lr=3e-4"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} is above optim.lr={self.lr}; it must be <= lr")
 

@@ -10,6 +10,11 @@ Sources (`data.source`):
 Text is split into train/val by 64 KiB chunk (every k-th chunk to val), so validation text comes from
 all over the corpus. The cache folder is keyed by a hash of the inputs and committed by an atomic rename,
 so concurrent builders (one per node) cannot leave a half-written cache behind.
+
+Shards are checked before training: an empty or odd-sized one is refused naming the file, and
+`check_token_range` refuses token ids outside the model's vocabulary once, at the start (on a GPU such an
+id is a device-side assert in the embedding, far from its cause). The largest id of each shard is cached
+beside the tokenised corpora, keyed by the shard's path, size and modification time.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from trainmesh.data.tokenizer import Tokenizer
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -33,6 +39,10 @@ log = get_logger(__name__)
 CHUNK_BYTES = 64 * 1024
 TOKEN_DTYPE = np.uint16
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class BadShardError(UserError, ValueError):
+    """A token shard that cannot be read as one, or holds ids outside the vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,60 @@ def text_corpus(files: list[Path], tokenizer: Tokenizer, val_fraction: float, ca
 def load_tokens(path: Path) -> np.ndarray:
     """Memory-map one shard (no read into RAM)."""
     if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise BadShardError(f"token shard {path} is not a readable .npy array: {e}") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise BadShardError(
+                f"token shard {path} holds a {tokens.dtype} array of shape {tokens.shape}, not token ids"
+            )
+        if not len(tokens):
+            raise BadShardError(f"token shard {path} is empty")
+        return tokens
+    size = path.stat().st_size
+    if size == 0:
+        raise BadShardError(f"token shard {path} is empty (0 bytes)")
+    if size % np.dtype(TOKEN_DTYPE).itemsize:
+        raise BadShardError(
+            f"token shard {path} has {size:,} bytes, not a whole number of {np.dtype(TOKEN_DTYPE).itemsize}-byte "
+            "(uint16) token ids: truncated, or not a token shard"
+        )
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> None:
+    """Refuse a corpus with a token id >= `vocab_size`, naming the shard and the fix."""
+    for path in (*corpus.train, *corpus.val):
+        largest = _max_token(path, cache_dir)
+        if largest >= vocab_size:
+            raise BadShardError(
+                f"token shard {path} holds token id {largest}, outside the model's vocabulary of {vocab_size} "
+                f"(model.vocab_size). Fix: --model.vocab_size={largest + 1} or more (a multiple of 64 is fastest, "
+                "e.g. 50304 for GPT-2's tokenizer), or re-tokenise the data with data.tokenizer."
+            )
+
+
+def _max_token(path: Path, cache_dir: Path) -> int:
+    """The largest token id in a shard, read in chunks once and then cached."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = cache_dir / "shard-stats" / f"{key}.json"
+    try:
+        return int(json.loads(cached.read_text())["max_token"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tokens = load_tokens(path)
+    step = 1 << 26
+    largest = max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"path": str(path), "max_token": largest}))
+        tmp.replace(cached)
+    except OSError as e:  # a read-only cache costs a re-scan next time, nothing more
+        log.debug("could not cache the largest token id of %s: %s", path, e)
+    return largest
 
 
 def _cache_key(files: list[Path], tokenizer: Tokenizer, val_fraction: float) -> str:
@@ -105,8 +167,26 @@ def _cache_key(files: list[Path], tokenizer: Tokenizer, val_fraction: float) -> 
     return h.hexdigest()[:16]
 
 
+def _read_text(path: Path) -> str:
+    """A text file as UTF-8; undecodable bytes become U+FFFD, with a warning naming the file."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        log.warning(
+            "%s is not valid UTF-8 (first at byte %d of %d: %s); its undecodable bytes are replaced by U+FFFD. "
+            "Convert it to UTF-8 to train on its exact text.",
+            path,
+            e.start,
+            len(raw),
+            e.reason,
+        )
+        return text
+
+
 def _build_cache(files: list[Path], tokenizer: Tokenizer, val_fraction: float, folder: Path) -> None:
-    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    text = "\n".join(_read_text(p) for p in files)
     tokens = tokenizer.encode(text)
     if int(tokens.max(initial=0)) > np.iinfo(TOKEN_DTYPE).max:
         raise ValueError(f"tokenizer {tokenizer.name!r} emits ids above {np.iinfo(TOKEN_DTYPE).max}")

@@ -4,14 +4,20 @@ The global order is defined without reference to the number of ranks: epoch e is
 sample ids drawn from (seed, e), and optimizer step s consumes the next `global_batch` ids of it. Those
 ids are cut into micro-batches of `micro_batch`; micro-batch j goes to data-parallel rank j % dp_size
 as its accumulation slot j // dp_size. So every step trains on the same set of samples whether it runs
-on 1, 2 or 8 ranks, the ranks never overlap, and the position in the data is just the step number —
-the basis of exact resume, also onto a different number of ranks.
+on 1, 2 or 8 ranks, and the ranks never overlap.
+
+The position in the data is (epoch, samples of that epoch's order consumed): a `DataPosition`, stored in
+every checkpoint. A step takes the next `global_batch` ids of the epoch's order; when fewer remain, they
+are dropped (the ragged end) and the next epoch begins. A resume continues from the stored position, so
+it repeats and skips no sample even when the global batch changed in between (another number of
+processes or micro-batch with `train.global_batch` unset): the basis of exact resume.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Sampler
@@ -21,6 +27,15 @@ from trainmesh.train.batch import BatchPlan
 
 class DatasetTooSmallError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where in the data the next step starts."""
+
+    epoch: int = 0
+    offset: int = 0
+    """Samples of epoch `epoch`'s order consumed already."""
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -33,7 +48,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         dp_rank: int,
         seed: int,
         shuffle: bool = True,
-        start_step: int = 0,
+        start: DataPosition = DataPosition(),
     ) -> None:
         if num_samples < plan.global_batch:
             raise DatasetTooSmallError(
@@ -47,7 +62,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.dp_rank = dp_rank
         self.seed = seed
         self.shuffle = shuffle
-        self.start_step = start_step
+        if not (start.epoch >= 0 and 0 <= start.offset <= num_samples):
+            raise ValueError(f"data position {start} is outside a training set of {num_samples} samples")
+        self.start = start
         self.steps_per_epoch = num_samples // plan.global_batch  # the ragged tail of an epoch is dropped
         self._order_epoch = -1
         self._order = torch.arange(0)
@@ -63,29 +80,46 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self._order_epoch = epoch
         return self._order
 
+    def position_after(self, steps: int) -> DataPosition:
+        """Where the data stands after `steps` steps from `start`."""
+        gb, epoch, offset = self.plan.global_batch, self.start.epoch, self.start.offset
+        left_in_epoch = (self.num_samples - offset) // gb
+        if steps <= left_in_epoch:
+            return DataPosition(epoch, offset + steps * gb)
+        epochs, index = divmod(steps - left_in_epoch, self.steps_per_epoch)
+        if index == 0:  # the last of those steps ended an epoch; the next one starts the following epoch
+            return DataPosition(epoch + epochs, self.steps_per_epoch * gb)
+        return DataPosition(epoch + 1 + epochs, index * gb)
+
     def global_batch_ids(self, step: int) -> torch.Tensor:
-        """The ids every rank together consumes at optimizer step `step`, in micro-batch order."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.plan.global_batch
-        return self.epoch_order(epoch)[start : start + self.plan.global_batch]
+        """The ids every rank together consumes at the `step`-th step from `start`, in micro-batch order."""
+        position = self.position_after(step)
+        epoch, offset = position.epoch, position.offset
+        if offset + self.plan.global_batch > self.num_samples:  # the ragged end: the next epoch begins
+            epoch, offset = epoch + 1, 0
+        return self.epoch_order(epoch)[offset : offset + self.plan.global_batch]
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's `accum_steps` micro-batches for optimizer step `step`."""
+        """This rank's `accum_steps` micro-batches for the `step`-th step from `start`."""
         chunks = self.global_batch_ids(step).view(-1, self.plan.micro_batch)  # (global/micro, micro)
         mine = chunks[self.dp_rank :: self.plan.dp_size]  # (accum_steps, micro)
         return mine.tolist()
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.start_step
+        step = 0
         while True:
             yield from self.micro_batches(step)
             step += 1
 
     def __len__(self) -> int:  # one epoch's worth; the iterator itself never ends
         return self.steps_per_epoch * self.plan.accum_steps
+
+
+def position_at_step(step: int, global_batch: int, num_samples: int) -> DataPosition:
+    """The data position after `step` steps of `global_batch` from the start (checkpoints written before
+    the position was recorded hold only the step)."""
+    epoch, index = divmod(step, num_samples // global_batch)
+    return DataPosition(epoch, index * global_batch)
 
 
 def eval_micro_batches(

@@ -2,11 +2,14 @@
 
 Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory. Records are written
 by a background thread: serialising TensorBoard events costs rank 0 about half a millisecond per
-record, and every other rank would wait for it at the next collective.
+record, and every other rank would wait for it at the next collective. Files are made through
+runtime/files.py: a symlink planted at `metrics.jsonl` or `loss.png` is refused or replaced, never
+written through.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import queue
@@ -14,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trainmesh.runtime.files import make_dirs, open_file, write_atomically
 from trainmesh.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -25,15 +29,16 @@ PLOT_FILE = "loss.png"
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
         self.run_dir = run_dir
-        self._jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")
+        self._jsonl = open_file(run_dir / METRICS_FILE, "a", encoding="utf-8")
         self._tb: Any = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(make_dirs(run_dir, "tensorboard")))
             except ImportError:  # tensorboard is a declared dependency; keep training if it was removed
                 log.warning("tensorboard is not installed; metrics go to %s only", METRICS_FILE)
+        self._lost = 0  # records that could not be written
         self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, name="trainmesh-metrics", daemon=True)
         self._thread.start()
@@ -46,10 +51,15 @@ class MetricsWriter:
         """Write everything queued, close the files and draw the loss curve."""
         self._queue.put(None)
         self._thread.join()
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
+        if self._lost:
+            log.error("%d metrics record(s) could not be written to %s", self._lost, self.run_dir)
+        try:
+            self._jsonl.close()
+            if self._tb is not None:
+                self._tb.close()
+            plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
+        except OSError as e:
+            log.error("could not finish the metrics files in %s: %s", self.run_dir, e)
 
     def _drain(self) -> None:
         while (record := self._queue.get()) is not None:
@@ -61,12 +71,14 @@ class MetricsWriter:
                     for key, value in record.items():
                         if key not in ("kind", "step") and isinstance(value, (int, float)) and math.isfinite(value):
                             self._tb.add_scalar(f"{kind}/{key}", value, step)
-            except Exception:  # a full disk must not kill training; say so once per record
-                log.exception("could not write a metrics record")
+            except Exception as e:  # a full disk must not kill training; say so, once
+                self._lost += 1
+                if self._lost == 1:
+                    log.error("could not write a metrics record to %s: %s (training goes on)", self.run_dir, e)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with open_file(path, "r", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -93,6 +105,8 @@ def plot_losses(metrics_path: Path, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    write_atomically(out, png.getvalue())
     return out

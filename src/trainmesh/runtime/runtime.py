@@ -33,6 +33,7 @@ from trainmesh.runtime.dist import (
     teardown,
 )
 from trainmesh.runtime.env import DistEnv
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.logging import configure_logging
 from trainmesh.strategies import (
     DISTRIBUTED,
@@ -308,12 +309,43 @@ class Runtime:
 
     @contextlib.contextmanager
     def local_main_first(self) -> Iterator[None]:
-        """Let local rank 0 of each node run the block first (e.g. build a cache), then the others."""
-        if self.local_rank != 0:
-            self.barrier()
-        yield
-        if self.local_rank == 0:
-            self.barrier()
+        """Let local rank 0 of each node run the block first (e.g. build a cache), then the others. If it
+        fails there, every rank raises (the others without running the block): a rank left waiting would
+        otherwise see only its peer's death, with a traceback of its own."""
+        first = self.local_rank == 0
+        if not first:
+            self._raise_if_any_failed(None)
+        try:
+            yield
+        except Exception as e:
+            if not first:
+                raise
+            self._raise_if_any_failed(e)
+        if first:
+            self._raise_if_any_failed(None)
+
+    def on_main(self, fn: Callable[[], T]) -> T | None:
+        """Collective: `fn()` on rank 0 only (it writes a run file, say) and its result there, None elsewhere.
+        If it raises, every rank raises, instead of the others waiting for rank 0 in the next collective."""
+        result, error = None, None
+        if self.is_main_process:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        self._raise_if_any_failed(error)
+        return result
+
+    def _raise_if_any_failed(self, error: Exception | None) -> None:
+        """Collective: raise `error`, or the first other rank's failure (a UserError stays one)."""
+        reports = self.all_gather_object(None if error is None else (isinstance(error, UserError), str(error)))
+        for rank, report in enumerate(reports):
+            if report is None:
+                continue
+            if error is not None:
+                raise error
+            is_user_error, message = report
+            raise UserError(message) if is_user_error else RuntimeError(f"rank {rank} failed: {message}")
 
     # -- output ------------------------------------------------------------------------------------
     def print(self, *args: object, level: int = logging.INFO) -> None:

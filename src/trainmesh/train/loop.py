@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
 from collections.abc import Sized
 from dataclasses import dataclass, replace
@@ -27,15 +28,17 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
 from trainmesh.checkpoint import Checkpointer, TrainerState, find_resumable, load_checkpoint, step_dir
+from trainmesh.checkpoint.catalog import check_no_collision
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config, TrainConfig
-from trainmesh.data.sharding import GlobalBatchSampler, eval_micro_batches
+from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro_batches, position_at_step
 from trainmesh.faults import maybe_inject, poison_loss
 from trainmesh.metrics.mfu import Peak, device_peak, mfu
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.dist import seed_everything
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.logging import get_logger
 from trainmesh.runtime.runtime import PendingReduce, Runtime
 from trainmesh.train.batch import BatchPlan, loss_scale
@@ -57,6 +60,8 @@ class TrainResult:
     sample: str
     model: nn.Module
     preempted: bool = False
+    exit_code: int = 0
+    """0 when training ran to the end; after a stop, EXIT_PREEMPTED (SIGTERM) or EXIT_INTERRUPTED (Ctrl-C)."""
 
 
 def train(
@@ -67,7 +72,7 @@ def train(
     preemption: PreemptionWatch | None = None,
     watchdog: StallWatchdog | None = None,
 ) -> TrainResult:
-    """Train to `train.max_steps`, or until `preemption` reports SIGTERM (then: checkpoint and stop).
+    """Train to `train.max_steps`, or until `preemption` reports SIGTERM or Ctrl-C (then: checkpoint and stop).
     Each finished step, evaluation and checkpoint is reported to `watchdog`."""
     preemption = preemption or PreemptionWatch()  # not installed: never requested
     watchdog = watchdog or StallWatchdog.off()
@@ -97,15 +102,18 @@ def train(
     state = TrainerState(world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
     ckpt = config.checkpoint
     resume_from = find_resumable(run_dir, runtime, ckpt.on_corrupt) if ckpt.resume else None
+    position = DataPosition()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, runtime)
+        position = _resumed_position(state, plan, n_train, runtime)
         # Position and scaler come from the checkpoint; what describes this run is today's.
         state.world_size, state.config, state.versions = runtime.world_size, config_to_dict(config), versions()
-    start_step = state.step
+    elif ckpt.resume and runtime.is_main_process:
+        log.warning("checkpoint.resume: no valid checkpoint in %s; STARTING FROM STEP 0", run_dir / "checkpoints")
+    check_no_collision(run_dir, state.step, runtime)  # before any step: no save of this run can meet an old one
+    start_step, state.global_batch = state.step, plan.global_batch
 
-    sampler = GlobalBatchSampler(
-        n_train, plan, runtime.dp_rank, config.run.seed, config.data.shuffle, start_step=state.step
-    )
+    sampler = GlobalBatchSampler(n_train, plan, runtime.dp_rank, config.run.seed, config.data.shuffle, position)
     loader = DataLoader(
         train_set,
         batch_sampler=sampler,
@@ -116,7 +124,7 @@ def train(
         generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
     eval_ids = eval_micro_batches(n_val, tcfg.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
-    writer = MetricsWriter(run_dir) if runtime.is_main_process else None
+    writer = runtime.on_main(lambda: MetricsWriter(run_dir))  # rank 0's; a failure to open it stops every rank
     peak = device_peak(runtime.device, runtime.precision.compute_dtype)
     if runtime.is_main_process:
         log.info(
@@ -140,6 +148,8 @@ def train(
 
     def save() -> Path:
         state.precision = runtime.precision.state_dict()
+        after = sampler.position_after(state.step - start_step)
+        state.data_epoch, state.data_offset = after.epoch, after.offset
         return checkpointer.save(model, optimizer, state)
 
     initial_val_loss = val_loss = evaluate() if state.step == 0 else math.nan
@@ -232,7 +242,7 @@ def train(
         watchdog.beat(state.step)
         window_start += time.perf_counter() - pause_start
         if stop_votes:  # SIGTERM reached some rank; every rank learns it at this same step
-            progress.message(f"preemption requested: stopping at step {state.step} with a checkpoint")
+            progress.message(f"{_stop_reason(preemption)}: stopping at step {state.step} with a checkpoint")
             if checkpoint != step_dir(run_dir, state.step):
                 checkpoint = save()
             break
@@ -255,10 +265,50 @@ def train(
     if writer:
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
-    return TrainResult(state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model, preempted)
+    exit_code = preemption.exit_code if preempted else 0
+    return TrainResult(
+        state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model, preempted, exit_code
+    )
 
 
-class NonFiniteError(RuntimeError):
+def _stop_reason(preemption: PreemptionWatch) -> str:
+    if preemption.signal is None:
+        return "a stop was requested on another rank"
+    return "Ctrl-C" if preemption.signal == signal.SIGINT else f"preemption requested ({preemption.signal.name})"
+
+
+def _resumed_position(state: TrainerState, plan: BatchPlan, n_train: int, runtime: Runtime) -> DataPosition:
+    """Where the data continues after a resume: the position the checkpoint recorded, whatever the global
+    batch is now, so that no sample is repeated or skipped."""
+    if not state.global_batch:  # saved before positions were recorded: the step fixed it
+        return position_at_step(state.step, plan.global_batch, n_train)
+    position = DataPosition(state.data_epoch, state.data_offset)
+    if position.offset > n_train:
+        raise DataPositionError(
+            f"the checkpoint stopped at sample {position.offset:,} of epoch {position.epoch}, but this training set "
+            f"has {n_train:,} samples: the data changed since it was saved. Fix: resume with the data.source it was "
+            "trained on, or start a new run (--run-id) with this data."
+        )
+    if state.global_batch != plan.global_batch and runtime.is_main_process:
+        log.warning(
+            "the checkpoint was trained with a global batch of %d samples per step, this run takes %d (%s). The data "
+            "continues at sample %d of epoch %d's order: no sample is repeated or skipped; the learning-rate schedule "
+            "continues by step. To keep the original batch: --train.global_batch=%d.",
+            state.global_batch,
+            plan.global_batch,
+            plan.describe(),
+            position.offset,
+            position.epoch,
+            state.global_batch,
+        )
+    return position
+
+
+class DataPositionError(UserError, ValueError):
+    """A checkpoint's data position does not fit this run's training set."""
+
+
+class NonFiniteError(UserError, RuntimeError):
     """A NaN/inf gradient with train.nonfinite=abort, or too many skipped steps in a row."""
 
 

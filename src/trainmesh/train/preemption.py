@@ -1,37 +1,57 @@
-"""Graceful preemption: SIGTERM asks the job to stop at the next step boundary, with a checkpoint.
+"""Graceful stops: SIGTERM (preemption) and SIGINT (Ctrl-C) ask the job to stop at the next step
+boundary, with a checkpoint.
 
 Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and allow some seconds before SIGKILL;
-torchrun's agent forwards it to the workers and waits up to 30 s. The handler only records the
-request; the loop adds it to the all-reduce every step already makes (the target count), so all ranks
-learn of it at the same step, save a checkpoint together and exit with `EXIT_PREEMPTED`. Relaunching
-with --resume continues exactly where the job stopped.
+Ctrl-C in a terminal sends SIGINT to the launcher and every worker; torchrun's agent forwards either to
+the workers and waits up to 30 s. The handler only records the request; the loop adds it to the
+all-reduce every step already makes (the target count), so all ranks learn of it at the same step, save a
+checkpoint together and exit (`EXIT_PREEMPTED` for SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching
+with --resume continues exactly where the job stopped. A second Ctrl-C, a moment after the first, stops
+at once without saving.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
+from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SAME_PRESS_S = 1.0  # a terminal's SIGINT and the one torchrun's agent forwards arrive within this
 
 
 class PreemptionWatch:
-    """Records SIGTERM while installed (a context manager; the previous handler is restored)."""
+    """Records SIGTERM and SIGINT while installed (a context manager; previous handlers are restored)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: object = None
+        self.signal: signal.Signals | None = None
+        """The first stop signal received."""
+        self._first_interrupt: float | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.signal == signal.SIGINT else EXIT_PREEMPTED
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del signum, frame
+        del frame
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._first_interrupt is not None and now - self._first_interrupt > _SAME_PRESS_S:
+                raise KeyboardInterrupt  # Ctrl-C again: the user does not want to wait for the save
+            self._first_interrupt = self._first_interrupt or now
+        self.signal = self.signal or signal.Signals(signum)
         self.requested = True
 
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in _SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]

@@ -9,9 +9,12 @@ and checkpoints), which only records two numbers. Every `interval` seconds the t
     thread that needs no GIL: a rank stuck in a call that holds the GIL, where no Python thread can run,
     still writes its stack and exits.
 When the thread sees no beat for `timeout_s`, it writes every thread's stack to
-`<run>/stalls/attempt_<n>/rank_<r>.txt`; the first rank there writes `report.txt`, naming the ranks that
-did not arrive, and SIGKILLs the silent ones on its own host (a stopped process, or one holding the GIL,
-would otherwise sit out torchrun's 30 s grace for SIGTERM); and the process exits with `EXIT_STALLED`.
+`<run>/stalls/<date>-<time>-attempt_<n>/rank_<r>.txt` (one folder per attempt, so a later launch never
+overwrites an earlier one's report); the first rank there writes `report.txt`, naming the ranks that did
+not arrive, and SIGKILLs the silent ones on its own host (a stopped process, or one holding the GIL,
+would otherwise sit out torchrun's 30 s grace for SIGTERM), after checking from /proc that the pid read
+from the store is a worker of this same agent and not a process that reused its number; and the process
+exits with `EXIT_STALLED`.
 torchrun then stops the remaining workers and restarts the group, which resumes from the newest
 checkpoint.
 """
@@ -19,6 +22,7 @@ checkpoint.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import faulthandler
 import json
 import logging
@@ -28,18 +32,20 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 import torch.distributed as dist
 
+from trainmesh.runtime.errors import EXIT_STALLED
+from trainmesh.runtime.files import make_dirs, open_file, write_atomically
 from trainmesh.runtime.logging import get_logger
 
 log = get_logger(__name__)
 
-EXIT_STALLED = 76
+STALLS_DIR = "stalls"
 # Frames of these files mean "waiting for the other ranks": a collective, or a backward whose gradient
 # all-reduce (DDP) waits for them.
 _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "trainmesh/runtime/")
@@ -55,6 +61,8 @@ class Heartbeat:
     """time.time() of publication; a stale one means the rank no longer runs Python."""
     host: str
     pid: int
+    started: int
+    """The process's start time (clock ticks after boot, from /proc): with the pid, names the process."""
     where: str
     """The main thread's innermost frame, and the innermost one in trainmesh or user code."""
     waiting: bool
@@ -64,10 +72,19 @@ class Heartbeat:
 class StallWatchdog:
     """Context manager; a no-op when `timeout_s` is 0."""
 
-    def __init__(self, run_dir: Path, timeout_s: float, rank: int, world_size: int, store: dist.Store | None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        timeout_s: float,
+        rank: int,
+        world_size: int,
+        store: dist.Store | None,
+        label: str = "attempt_0",
+    ) -> None:
+        """`label`: this attempt's folder under `<run>/stalls` (`attempt_label()`, the same on every rank)."""
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.dir = run_dir / "stalls" / f"attempt_{attempt}"
+        self.run_dir, self.label = run_dir, label
+        self.dir = run_dir / STALLS_DIR / label
         self.interval = min(max(timeout_s / 10, 0.1), 5.0)
         self.grace = max(3 * self.interval, 1.0)  # the Python thread acts first when it can run
         self._step = 0
@@ -90,9 +107,9 @@ class StallWatchdog:
 
     def __enter__(self) -> StallWatchdog:
         if self.timeout_s > 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.run_dir, STALLS_DIR, self.label)
             # Opened now: faulthandler's timer needs a file descriptor in advance.
-            self._stacks = open(self.dir / f"rank_{self.rank}.txt", "w")
+            self._stacks = open_file(self.dir / f"rank_{self.rank}.txt", "w")
             self._thread.start()
         return self
 
@@ -104,14 +121,18 @@ class StallWatchdog:
         faulthandler.cancel_dump_traceback_later()
         self._stacks.close()
         # Nothing stalled: leave no empty files behind (the folders go when the last rank leaves them).
-        path = Path(self._stacks.name)
-        if path.stat().st_size == 0:
-            path.unlink()
-            for folder in (self.dir, self.dir.parent):
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
+        # Someone may have removed them already: that is no reason to fail a finished run.
+        path = self.dir / f"rank_{self.rank}.txt"
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size == 0:
+                path.unlink()
+        for folder in (self.dir, self.dir.parent):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:  # not empty: another rank's file, or a report
+                break
 
     def _watch(self) -> None:
         armed_for: float | None = None
@@ -138,7 +159,8 @@ class StallWatchdog:
 
     def _heartbeat(self, idle: float) -> Heartbeat:
         where, waiting = _main_thread_location(sys._current_frames().get(self._main_ident or 0))
-        return Heartbeat(self.rank, self._step, idle, time.time(), socket.gethostname(), os.getpid(), where, waiting)
+        host, pid = socket.gethostname(), os.getpid()
+        return Heartbeat(self.rank, self._step, idle, time.time(), host, pid, _start_time(pid) or 0, where, waiting)
 
     def _stalled(self, idle: float) -> None:
         faulthandler.cancel_dump_traceback_later()
@@ -151,7 +173,7 @@ class StallWatchdog:
             if self.store is None or self.store.add("reporters", 1) == 1:  # the first rank here reports
                 beats = self._heartbeats()
                 report = self.report(idle, beats)
-                (self.dir / "report.txt").write_text(report + "\n")
+                write_atomically(self.dir / "report.txt", report + "\n")
                 log.error("%s", report)
                 self._await_peer_dumps()
                 self._kill_silent_neighbours(beats)
@@ -185,10 +207,16 @@ class StallWatchdog:
         SIGTERM, which a stopped process or one holding the GIL never acts on."""
         host = socket.gethostname()
         for rank, beat in beats.items():
-            if beat.host == host and beat.pid != os.getpid() and self._is_silent(beat):
-                log.error("rank %d (pid %d) is silent: killing it so that the group can restart", rank, beat.pid)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(beat.pid, signal.SIGKILL)
+            if beat.host != host or beat.pid == os.getpid() or not self._is_silent(beat):
+                continue
+            if not is_fellow_worker(beat.pid, beat.started):
+                log.error(
+                    "rank %d's heartbeat names pid %d, which is no worker of this job: not killing it", rank, beat.pid
+                )
+                continue
+            log.error("rank %d (pid %d) is silent: killing it so that the group can restart", rank, beat.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(beat.pid, signal.SIGKILL)
 
     def report(self, idle: float, beats: dict[int, Heartbeat]) -> str:
         """What every rank was doing, and which ranks did not arrive."""
@@ -232,8 +260,46 @@ class StallWatchdog:
         beats = {}
         for rank, key in enumerate(keys):
             if self.store.check([key]):
-                beats[rank] = Heartbeat(**json.loads(self.store.get(key)))
+                with contextlib.suppress(TypeError, ValueError):  # the store is open to local users: check
+                    beats[rank] = _checked(Heartbeat(**json.loads(self.store.get(key))))
         return beats
+
+
+def _checked(beat: Heartbeat) -> Heartbeat:
+    """A heartbeat whose fields have their types (ValueError otherwise)."""
+    kinds: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    for f in fields(Heartbeat):
+        if not isinstance(getattr(beat, f.name), kinds[str(f.type)]):
+            raise ValueError(f"heartbeat field {f.name}")
+    return beat
+
+
+def attempt_label() -> str:
+    """This attempt's folder name under `<run>/stalls`: when it started, and torchrun's restart count."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-attempt_{restart}"
+
+
+def is_fellow_worker(pid: int, started: int) -> bool:
+    """Whether `pid` is a process started by the same parent as this one (a worker of the same torchrun
+    agent) at the time `started` says, so not another user's process or a later one that reused the pid.
+    The rendezvous store has no authentication, so nothing read from it is acted on unchecked."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] == os.getppid() and stat[1] == started and started > 0
+
+
+def _start_time(pid: int) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks after boot) of `pid`, from /proc (None: unknown)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+        return int(fields[1]), int(fields[19])  # fields 4 and 22 of proc(5), counted after the name
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _main_thread_location(frame: FrameType | None) -> tuple[str, bool]:

@@ -10,7 +10,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainmesh.config.schema import Config, ModelConfig
-from trainmesh.data.corpus import TokenCorpus, default_cache_dir, embedded_files, shard_corpus, text_corpus
+from trainmesh.data.corpus import (
+    BadShardError,
+    TokenCorpus,
+    check_token_range,
+    default_cache_dir,
+    embedded_files,
+    shard_corpus,
+    text_corpus,
+)
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Recipe
@@ -47,9 +55,13 @@ class GPTRecipe(Recipe):
         cfg = config.data
         model = config.model
         assert isinstance(model, GPTConfig)
-        # One process per node tokenises into the (node-local) cache; the others wait, then read it.
+        # One process per node tokenises into the (node-local) cache and scans the shards; the others wait,
+        # then read the cache.
         with runtime.local_main_first():
             self.corpus = _resolve_corpus(config)
+            vocab = model.vocab_size or self.corpus.vocab_size
+            if vocab:
+                check_token_range(self.corpus, vocab, _cache_dir(config))
         if not model.vocab_size:
             if not self.corpus.vocab_size:
                 raise ValueError(
@@ -117,9 +129,13 @@ class GPTRecipe(Recipe):
         return tokenizer.decode(out[0].tolist())
 
 
+def _cache_dir(config: Config) -> Path:
+    return Path(config.data.cache_dir).expanduser() if config.data.cache_dir else default_cache_dir()
+
+
 def _resolve_corpus(config: Config) -> TokenCorpus:
     cfg = config.data
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache = _cache_dir(config)
     if cfg.source == "embedded":
         files = embedded_files(int(cfg.max_corpus_mb * 2**20))
     else:
@@ -127,8 +143,9 @@ def _resolve_corpus(config: Config) -> TokenCorpus:
         if path.is_dir():
             return shard_corpus(path)
         if not path.is_file():
-            raise FileNotFoundError(
-                f"data.source={cfg.source!r} is neither 'embedded', a text file, nor a folder of token shards"
+            raise BadShardError(
+                f"data.source={cfg.source!r} is neither 'embedded', a text file, nor a folder of token shards. "
+                "Fix: --data.source=<an existing file or folder>, or embedded."
             )
         files = [path]
     return text_corpus(files, get_tokenizer(cfg.tokenizer), cfg.val_fraction, cache)

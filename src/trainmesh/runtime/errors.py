@@ -1,0 +1,17 @@
+"""Errors the user can fix, and the exit codes trainmesh's processes end with.
+
+A `UserError`'s message says what was given, what is allowed and how to fix it; the worker and the CLI
+print it as one line (per rank) without a traceback, and exit with `EXIT_USER_ERROR`. Anything else is a
+bug or a fault and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_USER_ERROR = 2  # as argparse: the command, its config or its inputs need fixing
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL, "try again later": stopped by SIGTERM after saving a checkpoint
+EXIT_STALLED = 76  # the stall watchdog ended a hung attempt
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C (after saving a checkpoint, once training ran)
+
+
+class UserError(Exception):
+    """A problem with what the user asked for or gave (config, inputs, run folder); shown without a traceback."""

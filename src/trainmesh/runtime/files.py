@@ -1,0 +1,98 @@
+"""Files under a run folder: every path stays inside it, and nothing is written through a symlink.
+
+A run folder may live in shared scratch space or be copied from elsewhere, and whoever can write into it
+can plant a symlink where trainmesh is about to write (`metrics.jsonl -> ~/.bashrc`) or read
+(`checkpoints/latest -> /etc/shadow`). So trainmesh makes and opens files under a run folder only here:
+
+- every directory between the run folder and the file is a real directory, created here if missing (the
+  run folder itself may be a symlink: that is where its owner chose to put it);
+- files are opened with O_NOFOLLOW, so a symlink at the file's own name is refused (ELOOP);
+- a file replaced as a whole is written under a fresh temporary name (O_EXCL) and renamed over the old
+  one, which replaces a symlink there instead of writing through it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO, Any
+
+from trainmesh.runtime.errors import UserError
+
+
+class UnsafePathError(UserError, OSError):
+    """A path under a run folder is, or passes through, a symlink or something else than expected."""
+
+
+def make_dirs(root: Path, *parts: str) -> Path:
+    """`root/parts...`, each part a real directory inside `root` (created when missing)."""
+    path = root
+    for part in parts:
+        assert part and part not in (".", "..") and "/" not in part, part
+        path = path / part
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise UnsafePathError(
+                f"{path} is {'a symlink' if path.is_symlink() else 'not a directory'}; trainmesh creates files under "
+                "a run folder only in real directories inside it. Fix: remove it (or point run.out_dir elsewhere)."
+            )
+        path.mkdir(exist_ok=True)
+    return path
+
+
+_FLAGS = {
+    "r": os.O_RDONLY,
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+    "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+}
+
+
+def open_file(path: Path, mode: str = "r", **kwargs: Any) -> IO[Any]:
+    """`open(path, mode)` that refuses a symlink at `path` (modes r, w, a, x, a+, each optionally with b)."""
+    flags = _FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        if path.is_symlink():
+            raise UnsafePathError(
+                f"{path} is a symlink; trainmesh does not read or write through symlinks in a run folder. "
+                "Fix: remove it (or point run.out_dir elsewhere)."
+            ) from None
+        raise
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def write_atomically(path: Path, data: str | bytes, durable: bool = False) -> None:
+    """Replace `path` as a whole: write a fresh temporary file, (fsync it,) rename it into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of this pid; unlink never follows a symlink
+    try:
+        with open_file(tmp, "xb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def read_bytes(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of `path`, refusing a symlink; longer files raise ValueError."""
+    with open_file(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return bytes(data)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or new entry in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -31,7 +31,7 @@ from trainmesh.rundir import (
     new_job_id,
     write_config,
 )
-from trainmesh.runtime.errors import EXIT_USER_ERROR, UserError
+from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.runtime.logging import configure_logging
 from trainmesh.train.batch import BatchPlan
 
@@ -180,17 +180,17 @@ def cmd_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
                 f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
             )
-        config_path = _write_or_match_config(run_dir, config, holds_lock=lock.held)
+        config_path = _write_or_match_config(run_dir, config, joined=lock.joined)
         for world, plan in plans:
             log.info("world size %d: %s", world, plan.describe())
         entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
         return launch(opts, [*entry, "--job", job], module=True, run_name=run_dir.name)
 
 
-def _write_or_match_config(run_dir: Path, config: Config, holds_lock: bool) -> Path:
+def _write_or_match_config(run_dir: Path, config: Config, joined: bool) -> Path:
     """The launch holding the lock writes the run's config; another node of the same job (sharing the
     folder) checks that its own config is the same, instead of overwriting it under running workers."""
-    if holds_lock:
+    if not joined:
         return write_config(run_dir, config)
     path = run_dir / CONFIG_FILE
     deadline = time.monotonic() + 30
@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         log.error("%s", e)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # before torchrun's agent took over the signal: nothing was started yet
+        log.warning("interrupted (Ctrl-C) before the workers started")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

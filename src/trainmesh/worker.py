@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -26,6 +27,7 @@ from trainmesh.rundir import (
     claim_new_run_dir,
     create_run_dir,
     existing_run_dir,
+    hold_as_worker,
     new_job_id,
     write_config,
 )
@@ -79,6 +81,7 @@ def run_worker(
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     runtime = build_runtime(config)
     lock: RunLock | None = None
+    worker_lock: IO[Any] | None = None
     try:
         # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a
         # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
@@ -87,6 +90,7 @@ def run_worker(
         config.checkpoint.resume = bool(runtime.all_reduce(float(restarted or config.checkpoint.resume), "max"))
         _check_same_config(config, runtime)
         run_dir, lock = _take_run_dir(config, run_dir, job, runtime, asked_to_resume and not restarted)
+        worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
         runtime.on_main(lambda: write_config(run_dir, config))
         if runtime.is_main_process:
             log.info("run directory: %s", run_dir)
@@ -110,6 +114,8 @@ def run_worker(
     finally:
         if lock is not None:
             lock.release()
+        if worker_lock is not None:
+            worker_lock.close()
     runtime.teardown(success=True)
     return result
 
@@ -146,8 +152,7 @@ def _take_run_dir(
                 else:
                     run_dir = claim_new_run_dir(out_dir, config.run.recipe)
             lock = RunLock(run_dir, job or new_job_id())
-            if not lock.acquire():  # held by the launcher of this job (or another node's)
-                lock = None
+            lock.acquire()  # with `job`: joins the lock of the launcher that started this job
             outcome = (str(run_dir), "")
         except UserError as e:
             outcome = ("", str(e))

@@ -4,16 +4,18 @@ checkpoint and still finishes bit for bit like the undamaged run."""
 
 from __future__ import annotations
 
+import errno
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from support import train_rank
-from trainmesh.checkpoint import list_checkpoints, verify
+from trainmesh.checkpoint import list_checkpoints, manifest, verify
 from trainmesh.checkpoint.catalog import LATEST, checkpoint_root
 from trainmesh.testing import DistributedTestError, run_distributed
 
@@ -132,6 +134,35 @@ def test_a_new_run_into_a_folder_with_checkpoints_is_refused_before_training(tmp
         run_distributed(train_rank, 2, args=(str(tmp_path), first))  # a fresh run into the same directory
     assert (committed / "manifest.json").read_text() == before and verify(committed).ok
     assert (tmp_path / "runs" / "twice" / "metrics.jsonl").read_text() == metrics  # refused before any step
+
+
+def failing_save_rank(rank: int, root: str, where: str) -> dict[str, Any]:
+    """`train_rank`, with rank 1's part of every save failing: at the manifest's fsync (a full disk shows up
+    there on NFS or under quotas), or in torch.save (which raises a RuntimeError on a full disk)."""
+    if rank == 1 and where == "manifest":
+        real = manifest.file_digest
+
+        def digest(path: Path, fsync: bool = False) -> dict[str, Any]:
+            if fsync:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real(path, fsync)
+
+        manifest.file_digest = digest  # type: ignore[assignment]
+    elif rank == 1:
+
+        def save(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("basic_ios::clear: iostream error")
+
+        torch.save = save  # type: ignore[assignment]
+    return train_rank(rank, root, [*RUN, "--train.micro_batch=4", f"--run.name={where}"])
+
+
+@pytest.mark.parametrize("where", ["manifest", "torch.save"])
+def test_a_failure_in_any_part_of_a_save_stops_every_rank_alike(tmp_path: Path, where: str) -> None:
+    with pytest.raises(DistributedTestError, match=r"saving checkpoint \S*step_00000003 failed on rank\(s\) \[1\]"):
+        run_distributed(failing_save_rank, 2, args=(str(tmp_path), where), timeout_s=120)
+    checkpoints = checkpoint_root(tmp_path / "runs" / where)
+    assert not list(checkpoints.iterdir())  # nothing committed, the staging folder removed
 
 
 class _Payload:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from support import train_rank
-from trainmesh.checkpoint import list_checkpoints, read_full_state
+from trainmesh.checkpoint import list_checkpoints, read_full_state, verify
 from trainmesh.checkpoint.dcp import single_process_quiet
 from trainmesh.checkpoint.manifest import file_digest
 from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_metadata
@@ -115,6 +115,25 @@ def test_forged_metadata_runs_nothing_anywhere_and_resume_falls_back(
     assert not marker.exists() and not (root / "forged.safetensors").exists()
 
 
+def test_forged_metadata_cannot_change_a_class_either(tmp_path: Path) -> None:
+    """Even with allowed globals only, pickle's BUILD could set attributes on an allowed *class*:
+    `PosixPath._str` redirected, every path of the process would name the attacker's file."""
+    ckpt = tmp_path / "ckpt"
+    with single_process_quiet():
+        dcp.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(ckpt), no_dist=True)
+    genuine = pickle.dumps(read_metadata(ckpt), protocol=2)
+
+    def text(value: str) -> bytes:
+        return b"X" + len(value.encode()).to_bytes(4, "little") + value.encode()
+
+    victim = str(tmp_path / "victim")  # GLOBAL pathlib.PosixPath, (None, {"_str": victim}), BUILD, POP
+    poison = b"\x80\x02cpathlib\nPosixPath\nN}" + text("_str") + text(victim) + b"s\x86b0"
+    (ckpt / ".metadata").write_bytes(poison + genuine[2:])
+    with pytest.raises(UntrustedCheckpointError, match="tries to set the attributes of <class 'pathlib.PosixPath'>"):
+        read_metadata(ckpt)
+    assert str(Path("/etc/hostname")) == "/etc/hostname"  # the class is untouched
+
+
 def test_a_forged_value_inside_a_shard_is_refused(root: Path, capfd: pytest.CaptureFixture[str]) -> None:
     marker = root / "shard-payload-ran"
     ckpt = _copy(root, "forged-shard")
@@ -155,6 +174,39 @@ def test_impossible_trainer_states_are_set_aside(
     log = capfd.readouterr().err
     assert evidence in log and re.search(r"resumed from \S*step_00000003", log)
     assert any(re.fullmatch(r"step_00000006\.(corrupt|foreign)", p.name) for p in ckpt.parent.iterdir())
+
+
+def test_files_a_manifest_does_not_list_make_a_checkpoint_invalid(root: Path) -> None:
+    """A hostile folder drops the RNG files from the manifest and links `rng` elsewhere: what is on disk must
+    be exactly what the manifest lists, and nothing in a checkpoint may be a symlink."""
+    ckpt = _copy(root, "unlisted")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("rng/")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    problems = " ".join(verify(ckpt).problems)
+    assert "rank_0.pt: not in manifest.json" in problems
+    elsewhere = root / "rng-elsewhere"
+    shutil.move(ckpt / "rng", elsewhere)
+    (ckpt / "rng").symlink_to(elsewhere, target_is_directory=True)
+    assert "rng: a symlink inside the checkpoint" in " ".join(verify(ckpt).problems)
+
+
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [
+        ("size-text", {"size": "12", "sha256": "0" * 64}),
+        ("size-negative", {"size": -1, "sha256": "0" * 64}),
+        ("hash-short", {"size": 1, "sha256": "x"}),
+        ("not-an-object", []),
+    ],
+)
+def test_a_manifest_entry_of_the_wrong_type_is_garbled(root: Path, name: str, entry: Any) -> None:
+    ckpt = _copy(root, f"entry-{name}")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["trainer_state.json"] = entry
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (problem,) = verify(ckpt).problems
+    assert "manifest.json: garbled (entry 'trainer_state.json' is not" in problem
 
 
 def test_trainer_state_validation_names_the_value() -> None:

@@ -93,7 +93,10 @@ def test_token_ids_beyond_the_vocabulary_are_caught_once_at_the_start(tmp_path: 
     with pytest.raises(BadShardError, match=r"train_0.bin holds token id 50256, outside .* of 50000.*vocab_size=50257"):
         check_token_range(corpus, 50_000, tmp_path / "cache")
     check_token_range(corpus, 50_304, tmp_path / "cache")  # fits
-    assert len(list((tmp_path / "cache" / "shard-stats").iterdir())) == 2  # each shard scanned once, remembered
+    np.save(data / "val_0.npy", np.array([3, -1, 2], dtype=np.int16))
+    (data / "val_0.bin").unlink()
+    with pytest.raises(BadShardError, match=r"val_0.npy holds a negative token id \(-1\)"):
+        check_token_range(shard_corpus(data), 50_304, tmp_path / "cache")
 
 
 def test_text_that_is_not_utf8_is_trained_on_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

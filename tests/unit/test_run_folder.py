@@ -4,6 +4,7 @@ job in the same folder, pids in the (unauthenticated) store, stall files removed
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from trainmesh import rundir
 from trainmesh.checkpoint.catalog import LATEST, make_checkpoint_root, write_latest
 from trainmesh.cli import main
 from trainmesh.config.validate import load_config
-from trainmesh.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir
+from trainmesh.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir, hold_as_worker
 from trainmesh.runtime.files import UnsafePathError, make_dirs, open_file, write_atomically
 from trainmesh.testing import DistributedTestError, run_distributed
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
@@ -89,13 +90,43 @@ def test_one_job_per_run_folder_and_a_dead_holders_lock_is_taken_over(tmp_path: 
         ):
             RunLock(tmp_path, "mine").acquire()
         joined = RunLock(tmp_path, "other")  # another node of the same job: joins, does not hold
-        assert joined.acquire() is False and not joined.held
+        joined.acquire()
+        assert joined.joined and not joined.held
     finally:
         os.kill(holder.pid, signal.SIGKILL)  # killed by pid: its lock dies with it, its file stays
         holder.wait()
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
     with RunLock(tmp_path, "mine") as lock:
         assert lock.held and json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+
+
+_WORKER = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_SH)
+print("working", flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_that_outlive_their_launcher_keep_the_folder(tmp_path: Path) -> None:
+    """The launcher was killed by pid, its workers still train: the folder's lock is free, theirs is not."""
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(tmp_path / ".lock.workers")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert orphan.stdout is not None and orphan.stdout.readline().strip() == "working"
+        with pytest.raises(RunFolderError, match=r"processes of an earlier job still work in .*fuser -v"):
+            RunLock(tmp_path, "mine").acquire()
+        with (tmp_path / ".lock").open("a") as f:  # the refused launch let go of the folder's lock
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        orphan.kill()
+        orphan.wait()
+    with RunLock(tmp_path, "mine") as lock:
+        shared = hold_as_worker(tmp_path)
+        assert lock.held and shared is not None
+        shared.close()
 
 
 def test_a_launch_into_a_held_run_folder_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,7 +199,8 @@ def test_a_run_never_writes_through_symlinks_planted_in_its_folder(
         (run_dir / name).symlink_to(secret)
     overrides = ["--run.name=planted", "--train.max_steps=2", "--checkpoint.resume=true"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides))
-    assert "no valid checkpoint in" in capfd.readouterr().err and "STARTING FROM STEP 0"
+    log = capfd.readouterr().err
+    assert "checkpoint.resume: no valid checkpoint in" in log and "STARTING FROM STEP 0" in log
     assert secret.read_text() == "precious\n"
     assert not (run_dir / "loss.png").is_symlink() and (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert not (run_dir / "config.toml").is_symlink()
@@ -188,6 +220,20 @@ def test_a_finished_run_ignores_stall_files_removed_under_it(tmp_path: Path) -> 
             if f.is_file():
                 f.unlink()  # someone tidied up while the run was going
     assert not (tmp_path / "stalls").exists()
+
+
+def test_a_later_launch_never_overwrites_an_earlier_stall_report(tmp_path: Path) -> None:
+    """Each attempt reports into a folder of its own (named by when it started), so the stacks of a stall stay
+    for the user to read after the run was relaunched."""
+    first = StallWatchdog(tmp_path, 30.0, 0, 1, None, "20260101-000000-attempt_0")
+    with first:
+        assert first._stacks is not None
+        first._stacks.write("the stacks of a stall\n")  # as _stalled writes them
+    second = StallWatchdog(tmp_path, 30.0, 0, 1, None, "20260101-000500-attempt_0")  # the relaunch
+    with second:
+        second.beat(1)
+    assert (tmp_path / "stalls" / "20260101-000000-attempt_0" / "rank_0.txt").read_text() == "the stacks of a stall\n"
+    assert [p.name for p in (tmp_path / "stalls").iterdir()] == ["20260101-000000-attempt_0"]
 
 
 def test_a_pid_from_the_store_is_killed_only_if_it_is_a_worker_of_this_job() -> None:

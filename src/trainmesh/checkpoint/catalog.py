@@ -21,9 +21,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainmesh.checkpoint.manifest import verify
+from trainmesh.checkpoint.manifest import file_matches, verify
 from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_metadata
-from trainmesh.checkpoint.state import InvalidTrainerState, TrainerState
+from trainmesh.checkpoint.state import TRAINER_STATE, InvalidTrainerState, TrainerState
 from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.files import fsync_dir, make_dirs, read_bytes, write_atomically
 from trainmesh.runtime.logging import get_logger
@@ -113,19 +113,10 @@ def _candidates(run_dir: Path) -> list[Path]:
 
 
 def find_resumable(run_dir: Path, runtime: Runtime, on_corrupt: str = "fallback") -> Path | None:
-    """Collective: the newest checkpoint that verifies, with every rank agreeing on it."""
-    refusal = None
-    if runtime.is_main_process:
-        _remove_staging_leftovers(run_dir)
-        try:
-            _set_aside_foreign(run_dir, on_corrupt)
-        except CorruptCheckpointError as e:
-            refusal = str(e)
-    refusal = runtime.broadcast_object(refusal)  # every rank raises it, or none
-    if refusal:
-        raise CorruptCheckpointError(refusal)
-    candidates = [Path(p) for p in runtime.broadcast_object([str(p) for p in _candidates(run_dir)])]
-    for path in candidates:
+    """Collective: the newest checkpoint that verifies, with every rank agreeing on it. Rank 0 alone
+    renames and deletes; its failures are raised on every rank (Runtime.on_main)."""
+    listed = runtime.broadcast_object(runtime.on_main(lambda: _tidy_and_list(run_dir, on_corrupt))) or []
+    for path in [Path(p) for p in listed]:
         problems = check_checkpoint(path, runtime)
         if not problems:
             return path
@@ -135,11 +126,21 @@ def find_resumable(run_dir: Path, runtime: Runtime, on_corrupt: str = "fallback"
                 f"checkpoint {path} failed verification:\n  {report}\n"
                 "Fix: remove or repair it, or set --checkpoint.on_corrupt=fallback to resume from an older one."
             )
-        if runtime.is_main_process:
+
+        def give_up(path: Path = path, report: str = report) -> None:
             log.error("checkpoint %s failed verification, trying an older one:\n  %s", path, report)
             _set_aside(path, "corrupt")
-        runtime.barrier()
+
+        runtime.on_main(give_up)
     return None
+
+
+def _tidy_and_list(run_dir: Path, on_corrupt: str) -> list[str]:
+    """Rank 0, before a resume: remove what crashed saves left, set foreign folders aside, and list the
+    candidates, newest first."""
+    _remove_staging_leftovers(run_dir)
+    _set_aside_foreign(run_dir, on_corrupt)
+    return [str(p) for p in _candidates(run_dir)]
 
 
 def check_checkpoint(path: Path, runtime: Runtime | None = None) -> list[str]:
@@ -150,12 +151,19 @@ def check_checkpoint(path: Path, runtime: Runtime | None = None) -> list[str]:
     if problems:
         return problems
     if runtime is not None:  # every rank gets rank 0's verdict
-        return list(runtime.broadcast_object(check_checkpoint(path) if runtime.is_main_process else []))
+        return list(runtime.broadcast_object(_content_problems(path) if runtime.is_main_process else []))
+    return _content_problems(path)
+
+
+def _content_problems(path: Path) -> list[str]:
+    """Why a checkpoint whose files match its manifest still cannot be used (an empty list: it can)."""
     try:
         state = TrainerState.read(path)
         read_metadata(path)
     except (InvalidTrainerState, UntrustedCheckpointError) as e:
         return [str(e)]
+    except OSError as e:  # e.g. a name too long in the metadata's shard table
+        return [f"{path}: unreadable ({e})"]
     if _COMMITTED.fullmatch(path.name) and state.step != step_of(path):
         return [f"{path}: holds step {state.step}, not the step its name says"]
     return []
@@ -166,9 +174,11 @@ def _set_aside_foreign(run_dir: Path, on_corrupt: str) -> None:
     run's checkpoint dropped in): resumed, it would put the run at a step whose save then collides."""
     for path in list_checkpoints(run_dir):
         try:
+            if not file_matches(path, TRAINER_STATE):
+                continue  # damaged, not foreign: judged by verification if it is ever a candidate
             held = TrainerState.read(path).step
         except InvalidTrainerState:
-            continue  # judged by verification if it is ever a candidate
+            continue
         if held == step_of(path):
             continue
         message = f"{path} holds step {held}, not {step_of(path)}: a checkpoint of another run, copied in"
@@ -181,7 +191,7 @@ def _set_aside_foreign(run_dir: Path, on_corrupt: str) -> None:
 def check_no_collision(run_dir: Path, start_step: int, runtime: Runtime) -> None:
     """Collective: refuse, before training, a run whose saves would meet committed checkpoints (a new run
     started without --resume in a folder that already has some)."""
-    ahead = [p.name for p in list_checkpoints(run_dir) if step_of(p) > start_step] if runtime.is_main_process else []
+    ahead = runtime.on_main(lambda: [p.name for p in list_checkpoints(run_dir) if step_of(p) > start_step])
     ahead = runtime.broadcast_object(ahead)
     if ahead:
         raise CheckpointCollisionError(

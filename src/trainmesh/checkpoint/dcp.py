@@ -39,6 +39,7 @@ from trainmesh.checkpoint.reader import (
 )
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.runtime.errors import UserError
+from trainmesh.runtime.files import open_file
 from trainmesh.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
     if state.world_size == runtime.world_size and rng_file.is_file():
         try:
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            with open_file(rng_file, "rb") as f:
+                _set_rng_state(torch.load(f, weights_only=True))
         except pickle.UnpicklingError as e:
             raise UntrustedCheckpointError(f"{rng_file}: refused, {str(e).splitlines()[0]}") from None
     else:

@@ -31,6 +31,7 @@ from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, check_checkpoint
 from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
 from trainmesh.checkpoint.state import TrainerState
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.files import make_dirs, open_file
 from trainmesh.runtime.logging import get_logger
 from trainmesh.versions import versions
@@ -40,7 +41,7 @@ log = get_logger(__name__)
 EXPORT_DIR = "export"
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export was refused: an unverified checkpoint, an existing output, a non-tensor entry."""
 
 

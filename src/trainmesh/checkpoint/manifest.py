@@ -61,13 +61,35 @@ def _my_share(names: list[str], runtime: Runtime) -> list[str]:
     return names[runtime.rank :: runtime.world_size]
 
 
+class PeerFailed(OSError):
+    """Another rank's part of a collective step failed; that rank reports the error."""
+
+
 def write_manifest(folder: Path, runtime: Runtime, group: ProcessGroup | None = None) -> None:
-    """Collective (over `group`): hash (and fsync) every file in parallel; rank 0 writes the manifest."""
-    names = runtime.broadcast_object(_files(folder) if runtime.is_main_process else [], group=group)
-    mine = {name: file_digest(folder / name, fsync=True) for name in _my_share(names, runtime)}
-    entries: dict[str, Any] = {}
-    for part in runtime.all_gather_object(mine, group=group):
-        entries.update(part)
+    """Collective (over `group`): hash (and fsync) every file in parallel; rank 0 writes the manifest.
+    A rank's failure (a full disk at fsync, say) is raised there, and PeerFailed on every other rank,
+    after the same collectives."""
+    listing: tuple[list[str], OSError | None] = ([], None)
+    if runtime.is_main_process:
+        try:
+            listing = (_files(folder), None)
+        except OSError as e:
+            listing = ([], e)
+    names, error = runtime.broadcast_object(listing, group=group)
+    if error is not None and not runtime.is_main_process:
+        error = PeerFailed("rank 0 could not list the files to hash")
+    mine: dict[str, Any] = {}
+    if error is None:
+        try:
+            mine = {name: file_digest(folder / name, fsync=True) for name in _my_share(names, runtime)}
+        except OSError as e:
+            error = e
+    parts = runtime.all_gather_object((mine, error is not None), group=group)
+    if error is not None:
+        raise error
+    if any(failed for _, failed in parts):
+        raise PeerFailed("another rank could not hash its files")
+    entries = {name: digest for part, _ in parts for name, digest in part.items()}
     if runtime.is_main_process:
         write_json_durably(folder / MANIFEST, {"format": FORMAT, "files": entries})
 
@@ -87,6 +109,8 @@ def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:
     names = sorted(files)
     mine = _my_share(names, runtime) if runtime else names
     problems = [p for name in mine if (p := _check_file(folder, name, files[name]))]
+    if runtime is None or runtime.is_main_process:
+        problems += _unlisted(folder, set(names))
     if runtime is not None:
         problems = [p for part in runtime.all_gather_object(problems) for p in part]
     verdict.problems = sorted(problems)
@@ -95,6 +119,15 @@ def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:
     if missing_from_manifest:
         verdict.problems.append(f"{folder}: manifest lacks {sorted(missing_from_manifest)}")
     return verdict
+
+
+def file_matches(folder: Path, name: str) -> bool:
+    """Whether one file of a checkpoint matches its manifest entry (cheap: that file alone is hashed)."""
+    try:
+        entry = _read_manifest(folder).get(name)
+    except (OSError, ValueError):
+        return False
+    return entry is not None and _check_file(folder, name, entry) is None
 
 
 def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
@@ -119,16 +152,34 @@ def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
 
 def _check_file(folder: Path, name: str, expected: dict[str, Any]) -> str | None:
     path = folder / name
-    if Path(name).is_absolute() or ".." in Path(name).parts or _through_symlink(folder, path):
-        return f"{folder / MANIFEST}: entry {name!r} points outside the checkpoint (absolute, '..' or a symlink)"
-    if not path.is_file():
-        return f"{path}: missing"
-    if path.stat().st_size != expected["size"]:
-        return f"{path}: {path.stat().st_size} bytes, expected {expected['size']} (truncated or extended)"
-    actual = file_digest(path)["sha256"]
+    try:
+        if Path(name).is_absolute() or ".." in Path(name).parts or _through_symlink(folder, path):
+            return f"{folder / MANIFEST}: entry {name!r} points outside the checkpoint (absolute, '..' or a symlink)"
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{path}: {path.stat().st_size} bytes, expected {expected['size']} (truncated or extended)"
+        actual = file_digest(path)["sha256"]
+    except OSError as e:  # unreadable, a name too long, ...: a problem of this checkpoint, not of the run
+        return f"{folder / MANIFEST}: entry {name[:200]!r} cannot be checked ({e.strerror or e})"
     if actual != expected["sha256"]:
         return f"{path}: sha256 {actual}, expected {expected['sha256']}"
     return None
+
+
+def _unlisted(folder: Path, names: set[str]) -> list[str]:
+    """What lies in the checkpoint folder besides the manifest's files: a symlink anywhere (never
+    followed), or a file the manifest does not list (it would be read unchecked)."""
+    problems = []
+    for root, dirs, files in os.walk(folder):  # does not descend into symlinked directories
+        for entry in [*dirs, *files]:
+            path = Path(root) / entry
+            name = str(path.relative_to(folder))
+            if path.is_symlink():
+                problems.append(f"{path}: a symlink inside the checkpoint")
+            elif path.is_file() and name not in names and name != MANIFEST:
+                problems.append(f"{path}: not in {MANIFEST} (added after the commit)")
+    return problems
 
 
 def _through_symlink(folder: Path, path: Path) -> bool:

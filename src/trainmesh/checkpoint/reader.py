@@ -5,7 +5,7 @@ since anyone can rewrite a manifest. So everything trainmesh reads from a checkp
 
 - DCP's `.metadata` is a pickle. It is read by an unpickler that builds only what DCP's metadata is
   made of (its dataclasses, `torch.Size`, dtypes, layouts, paths); any other global is refused before
-  it is looked up, naming the file and the class.
+  it is looked up, naming the file and the class, and attributes are set on metadata instances only.
 - Every shard file the metadata names must be a plain file directly in the checkpoint folder, so a
   forged metadata cannot make DCP read a file elsewhere.
 - DCP stores non-tensor values (the optimizer's hyperparameters) as `torch.save`d bytes, and its
@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from trainmesh.runtime.errors import UserError
@@ -60,11 +70,35 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+_BUILDABLE = (
+    Metadata,
+    StorageMeta,
+    MetadataIndex,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    _StorageInfo,
+)
+
+
 class UntrustedCheckpointError(UserError, ValueError):
     """A checkpoint file holds something a trainmesh checkpoint never does (code, or a path outside it)."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+_PICKLE_BUILD: Callable[[Any], None] = pickle._Unpickler.dispatch[pickle.BUILD[0]]
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The allow-listing unpickler. It is pickle's Python implementation, whose opcodes can be checked one
+    by one: BUILD sets attributes on whatever object lies on the stack, and an allowed *class* gets there
+    as easily as an instance (`setattr(PosixPath, "_str", "/elsewhere")` would redirect every path of the
+    process, even if the file were refused afterwards). So BUILD is accepted on instances of the metadata
+    classes only."""
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle's own (undeclared in typeshed)
+
     def __init__(self, file: io.BufferedIOBase, path: Path) -> None:
         super().__init__(file)
         self.path = path
@@ -72,14 +106,24 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise UntrustedCheckpointError(
-            f"{self.path} tries to load {module}.{name}, which DCP metadata never holds: refusing this untrusted "
-            "checkpoint (nothing in it was loaded or run). Fix: resume or read only checkpoints from a source you "
-            "trust; trainmesh writes none like this."
-        )
+        raise self._refuse(f"tries to load {module}.{name}, which DCP metadata never holds")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UntrustedCheckpointError(f"{self.path}: a persistent reference ({type(pid).__name__}); refusing it")
+        raise self._refuse(f"holds a persistent reference ({type(pid).__name__}), which DCP metadata never does")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # the stack holds (..., object, state)
+        if type(target) not in _BUILDABLE:  # a class, a function, or an instance of another type
+            raise self._refuse(f"tries to set the attributes of {target!r}, which DCP metadata never does")
+        _PICKLE_BUILD(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def _refuse(self, what: str) -> UntrustedCheckpointError:
+        return UntrustedCheckpointError(
+            f"{self.path} {what}: refusing this untrusted checkpoint (nothing in it was loaded or run). Fix: "
+            "resume or read only checkpoints from a source you trust; trainmesh writes none like this."
+        )
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -100,6 +144,8 @@ def read_metadata(folder: Path) -> Metadata:
         raise UntrustedCheckpointError(f"{path}: its storage table is not DCP's")
     for info in storage.values():
         name = info.relative_path
+        if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            raise UntrustedCheckpointError(f"{path}: a shard slice at {info.offset!r}+{info.length!r}; refusing it")
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\\" in name:
             raise UntrustedCheckpointError(f"{path} names a shard {name!r} outside the checkpoint; refusing it")
         shard = folder / name
@@ -119,6 +165,11 @@ class SafeReader(FileSystemReader):
     def __init__(self, folder: Path) -> None:
         super().__init__(str(folder))
         self.folder = folder
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and Path(checkpoint_id) != self.folder:  # it reads `folder`, checked, only
+            raise ValueError(f"SafeReader of {self.folder} asked to read {checkpoint_id}")
+        super().reset(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files: trainmesh never writes them

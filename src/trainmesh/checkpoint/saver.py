@@ -44,7 +44,7 @@ from trainmesh.checkpoint.catalog import (
     write_latest,
 )
 from trainmesh.checkpoint.dcp import find_cause, rng_state, single_process_quiet
-from trainmesh.checkpoint.manifest import write_json_durably, write_manifest
+from trainmesh.checkpoint.manifest import PeerFailed, write_json_durably, write_manifest
 from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
 from trainmesh.faults import maybe_inject
 from trainmesh.runtime.errors import UserError
@@ -178,7 +178,7 @@ class Checkpointer:
             write_latest(self.run_dir, job.final)
             for old in rotate(self.run_dir, self.keep_last):
                 log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, self.keep_last)
-        except OSError as e:
+        except Exception as e:  # the disk filled up, say
             log.warning(
                 "checkpoint %s is committed, but updating checkpoints/latest or removing old checkpoints failed: %s. "
                 "Nothing is lost: resuming goes by the step each checkpoint holds.",
@@ -190,29 +190,35 @@ class Checkpointer:
         """Run this rank's part of a step; if any rank's part failed, fail on every rank with the same
         error (a rank that raised alone would leave the others waiting in the next collective until the
         timeout)."""
+        rt, error, origin = self.runtime, None, [self.runtime.rank]
         try:
             action()
-            error = None
-        except (OSError, CheckpointException) as e:
+        except PeerFailed:  # the rank that failed says why
+            pass
+        except (Exception, CheckpointException) as e:  # torch.save on a full disk raises a RuntimeError
             error = _describe_error(e, job.staging, sum(size for size, _ in job.sizes.values()))
-        free = shutil.disk_usage(job.staging.parent).free if error else 0  # before the staging folder goes
-        outcomes = self.runtime.all_gather_object((error, free), group=self._group)
-        failed = {rank: (e, free) for rank, (e, free) in enumerate(outcomes) if e}
-        if not failed:
+            if isinstance(e, CheckpointException):  # DCP raises on every rank: the ranks it names failed
+                origin = sorted(e.failures)
+        free = _free_bytes(job.staging.parent) if error else 0  # before the staging folder goes
+        outcomes = rt.all_gather_object((error, free, origin), group=self._group)
+        reported = [(e, free) for e, free, _ in outcomes if e]
+        if not reported:
             return
-        if self.runtime.is_main_process:
+        if rt.is_main_process:
             shutil.rmtree(job.staging, ignore_errors=True)
-        rank, (first, free) = next(iter(failed.items()))
+        failed = sorted({rank for e, _, ranks in outcomes if e for rank in ranks})
+        first, free = reported[0]
         fix = "Fix: the cause above; then continue with --resume."
         if first.startswith(_NO_SPACE_MESSAGE):
-            needed = self._needed_bytes(self.runtime.all_gather_object(job.sizes, group=self._group))
-            first += f"; {_mib(free)} was free then, and a checkpoint of this run takes about {_mib(needed)}"
+            needed = self._needed_bytes(rt.all_gather_object(job.sizes, group=self._group))
+            was_free = f"{_mib(free)} was free then" if free >= 0 else "the free space is unknown"
+            first += f"; {was_free}, and a checkpoint of this run takes about {_mib(needed)}"
             fix = (
                 "Fix: free disk space (or point run.out_dir elsewhere, or keep fewer checkpoints with "
                 "checkpoint.keep_last) and continue with --resume."
             )
         raise CheckpointWriteError(
-            f"saving checkpoint {job.final} failed on rank(s) {sorted(failed)}; rank {rank}: {first}. "
+            f"saving checkpoint {job.final} failed on rank(s) {failed}: {first}. "
             f"Nothing was committed and older checkpoints are intact. {fix}"
         )
 
@@ -241,9 +247,17 @@ def _describe_error(error: BaseException, staging: Path, writing: int) -> str:
         return f"{cause.strerror or cause} ({cause.filename or staging})"
     first = _first_failure(error)
     what = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
-    if shutil.disk_usage(staging.parent).free < writing:
+    if 0 <= _free_bytes(staging.parent) < writing:
         return f"{_NO_SPACE_MESSAGE} writing {staging} ({what})"
     return what
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system of `folder` (-1: unknown, e.g. the folder is gone)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return -1
 
 
 def _first_failure(error: BaseException) -> BaseException:

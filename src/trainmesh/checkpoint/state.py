@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from trainmesh.runtime.errors import UserError
 from trainmesh.runtime.files import read_bytes
 
 TRAINER_STATE = "trainer_state.json"
@@ -19,7 +20,7 @@ MAX_STEP = 10**12  # far beyond any real run; a larger step is damage, not progr
 _MAX_BYTES = 64 * 2**20  # a trainer state is a few KiB; refuse to read a file that is not one
 
 
-class InvalidTrainerState(ValueError):
+class InvalidTrainerState(UserError, ValueError):
     """trainer_state.json is missing, unreadable, or holds a value of the wrong type or range."""
 
 
@@ -76,7 +77,7 @@ class TrainerState:
             return cls.from_dict(json.loads(read_bytes(path, _MAX_BYTES)))
         except InvalidTrainerState as e:
             raise InvalidTrainerState(f"{path}: {e}") from None
-        except (OSError, ValueError) as e:  # missing, a symlink, too large, not UTF-8 or not JSON
+        except (OSError, ValueError, RecursionError) as e:  # missing, a symlink, too large, not JSON, too deep
             raise InvalidTrainerState(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 

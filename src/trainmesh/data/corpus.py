@@ -13,7 +13,7 @@ so concurrent builders (one per node) cannot leave a half-written cache behind.
 
 Shards are checked before training: an empty or odd-sized one is refused naming the file, and
 `check_token_range` refuses token ids outside the model's vocabulary once, at the start (on a GPU such an
-id is a device-side assert in the embedding, far from its cause). The largest id of each shard is cached
+id is a device-side assert in the embedding, far from its cause). The range of ids of each shard is cached
 beside the tokenised corpora, keyed by the shard's path, size and modification time.
 """
 
@@ -84,7 +84,7 @@ def shard_corpus(folder: Path) -> TokenCorpus:
     train = tuple(p for p in shards if "train" in p.name)
     val = tuple(p for p in shards if "val" in p.name)
     if not train or not val:
-        raise ValueError(
+        raise BadShardError(
             f"data.source={str(folder)!r}: a shard folder needs *train*.bin|.npy and *val*.bin|.npy files; "
             f"found {[p.name for p in shards] or 'none'}"
         )
@@ -114,7 +114,10 @@ def load_tokens(path: Path) -> np.ndarray:
         if not len(tokens):
             raise BadShardError(f"token shard {path} is empty")
         return tokens
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise BadShardError(f"token shard {path} cannot be read: {e.strerror}") from None
     if size == 0:
         raise BadShardError(f"token shard {path} is empty (0 bytes)")
     if size % np.dtype(TOKEN_DTYPE).itemsize:
@@ -126,37 +129,41 @@ def load_tokens(path: Path) -> np.ndarray:
 
 
 def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> None:
-    """Refuse a corpus with a token id >= `vocab_size`, naming the shard and the fix."""
+    """Refuse a corpus with a token id outside 0..`vocab_size`-1, naming the shard and the fix."""
     for path in (*corpus.train, *corpus.val):
-        largest = _max_token(path, cache_dir)
-        if largest >= vocab_size:
+        lowest, highest = _token_range(path, cache_dir)
+        if lowest < 0:
+            raise BadShardError(f"token shard {path} holds a negative token id ({lowest}): not token ids")
+        if highest >= vocab_size:
             raise BadShardError(
-                f"token shard {path} holds token id {largest}, outside the model's vocabulary of {vocab_size} "
-                f"(model.vocab_size). Fix: --model.vocab_size={largest + 1} or more (a multiple of 64 is fastest, "
+                f"token shard {path} holds token id {highest}, outside the model's vocabulary of {vocab_size} "
+                f"(model.vocab_size). Fix: --model.vocab_size={highest + 1} or more (a multiple of 64 is fastest, "
                 "e.g. 50304 for GPT-2's tokenizer), or re-tokenise the data with data.tokenizer."
             )
 
 
-def _max_token(path: Path, cache_dir: Path) -> int:
-    """The largest token id in a shard, read in chunks once and then cached."""
+def _token_range(path: Path, cache_dir: Path) -> tuple[int, int]:
+    """The smallest and largest token id in a shard, read in chunks once and then cached."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = cache_dir / "shard-stats" / f"{key}.json"
     try:
-        return int(json.loads(cached.read_text())["max_token"])
+        record = json.loads(cached.read_text())
+        return int(record["min_token"]), int(record["max_token"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     tokens = load_tokens(path)
     step = 1 << 26
-    largest = max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
+    chunks = [tokens[i : i + step] for i in range(0, len(tokens), step)]
+    lowest, highest = min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"path": str(path), "max_token": largest}))
+        tmp.write_text(json.dumps({"path": str(path), "min_token": lowest, "max_token": highest}))
         tmp.replace(cached)
     except OSError as e:  # a read-only cache costs a re-scan next time, nothing more
-        log.debug("could not cache the largest token id of %s: %s", path, e)
-    return largest
+        log.debug("could not cache the token range of %s: %s", path, e)
+    return lowest, highest
 
 
 def _cache_key(files: list[Path], tokenizer: Tokenizer, val_fraction: float) -> str:

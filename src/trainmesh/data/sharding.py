@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
+from trainmesh.runtime.errors import UserError
 from trainmesh.train.batch import BatchPlan
 
 
-class DatasetTooSmallError(ValueError):
-    pass
+class DatasetTooSmallError(UserError, ValueError):
+    """Fewer samples than one global batch (or an empty validation set)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 def position_at_step(step: int, global_batch: int, num_samples: int) -> DataPosition:
     """The data position after `step` steps of `global_batch` from the start (checkpoints written before
     the position was recorded hold only the step)."""
-    epoch, index = divmod(step, num_samples // global_batch)
+    epoch, index = divmod(step, max(1, num_samples // global_batch))  # too few samples: the sampler says so
     return DataPosition(epoch, index * global_batch)
 
 

@@ -25,7 +25,8 @@ class UnsafePathError(UserError, OSError):
 
 
 def make_dirs(root: Path, *parts: str) -> Path:
-    """`root/parts...`, each part a real directory inside `root` (created when missing)."""
+    """`root/parts...`, each part a real directory inside `root` (all created when missing)."""
+    root.mkdir(parents=True, exist_ok=True)
     path = root
     for part in parts:
         assert part and part not in (".", "..") and "/" not in part, part

@@ -336,6 +336,16 @@ class Runtime:
         self._raise_if_any_failed(error)
         return result
 
+    def agreed(self, fn: Callable[[], T]) -> T:
+        """Collective: `fn()` on every rank; if it raises on any rank, every rank raises."""
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+        self._raise_if_any_failed(error)
+        return cast(T, result)
+
     def _raise_if_any_failed(self, error: Exception | None) -> None:
         """Collective: raise `error`, or the first other rank's failure (a UserError stays one)."""
         reports = self.all_gather_object(None if error is None else (isinstance(error, UserError), str(error)))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from collections.abc import Sized
 from dataclasses import dataclass, replace
@@ -163,6 +162,7 @@ def train(
     window_start, window_steps, skipped, skipped_in_a_row = time.perf_counter(), 0, 0, 0
     train_loss = math.nan
     checkpoint: Path | None = None
+    stop = 0  # the stop signal the ranks agreed on (PreemptionWatch.vote)
 
     for step in range(state.step, tcfg.max_steps):
         lr = lr_at(step, config.optim, tcfg.max_steps)
@@ -241,8 +241,9 @@ def train(
             checkpoint = save()
         watchdog.beat(state.step)
         window_start += time.perf_counter() - pause_start
-        if stop_votes:  # SIGTERM reached some rank; every rank learns it at this same step
-            progress.message(f"{_stop_reason(preemption)}: stopping at step {state.step} with a checkpoint")
+        if stop_votes:  # SIGTERM or Ctrl-C reached some rank; every rank learns it at this same step
+            stop = int(runtime.all_reduce(float(preemption.vote), "max"))  # which one; Ctrl-C wins
+            progress.message(f"{_stop_reason(stop)}: stopping at step {state.step} with a checkpoint")
             if checkpoint != step_dir(run_dir, state.step):
                 checkpoint = save()
             break
@@ -265,16 +266,14 @@ def train(
     if writer:
         writer.close()
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
-    exit_code = preemption.exit_code if preempted else 0
+    exit_code = PreemptionWatch.exit_code(stop) if preempted else 0
     return TrainResult(
         state.step, train_loss, val_loss, initial_val_loss, checkpoint, sample, raw_model, preempted, exit_code
     )
 
 
-def _stop_reason(preemption: PreemptionWatch) -> str:
-    if preemption.signal is None:
-        return "a stop was requested on another rank"
-    return "Ctrl-C" if preemption.signal == signal.SIGINT else f"preemption requested ({preemption.signal.name})"
+def _stop_reason(stop: int) -> str:
+    return "Ctrl-C" if stop == 2 else "preemption requested (SIGTERM)"
 
 
 def _resumed_position(state: TrainerState, plan: BatchPlan, n_train: int, runtime: Runtime) -> DataPosition:

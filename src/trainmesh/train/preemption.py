@@ -1,13 +1,15 @@
 """Graceful stops: SIGTERM (preemption) and SIGINT (Ctrl-C) ask the job to stop at the next step
 boundary, with a checkpoint.
 
-Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and allow some seconds before SIGKILL;
-Ctrl-C in a terminal sends SIGINT to the launcher and every worker; torchrun's agent forwards either to
-the workers and waits up to 30 s. The handler only records the request; the loop adds it to the
-all-reduce every step already makes (the target count), so all ranks learn of it at the same step, save a
-checkpoint together and exit (`EXIT_PREEMPTED` for SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching
-with --resume continues exactly where the job stopped. A second Ctrl-C, a moment after the first, stops
-at once without saving.
+Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and allow some seconds before SIGKILL. Ctrl-C
+in a terminal sends SIGINT to the foreground process: a worker run by plain `python`, or the launcher,
+since torchrun starts its workers in sessions of their own; its agent forwards either signal to the
+workers and waits up to 30 s for them before it kills them. The handler only records the request; the
+loop adds it to the all-reduce every step already makes (the target count), so all ranks learn of it at
+the same step, agree on which signal it was, save a checkpoint together and exit (`EXIT_PREEMPTED` for
+SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching with --resume continues exactly where the job
+stopped. In a process that receives Ctrl-C itself, a second one a moment after the first stops it at once,
+without saving.
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ class PreemptionWatch:
         self._previous: dict[signal.Signals, object] = {}
 
     @property
-    def exit_code(self) -> int:
-        return EXIT_INTERRUPTED if self.signal == signal.SIGINT else EXIT_PREEMPTED
+    def vote(self) -> int:
+        """This rank's stop request for the all-reduce: 0 none, 1 SIGTERM, 2 Ctrl-C (max wins: the user's)."""
+        return 0 if self.signal is None else 2 if self.signal == signal.SIGINT else 1
+
+    @staticmethod
+    def exit_code(agreed_vote: int) -> int:
+        """The exit code for the stop the ranks agreed on (the max of their votes)."""
+        return EXIT_INTERRUPTED if agreed_vote == 2 else EXIT_PREEMPTED
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame

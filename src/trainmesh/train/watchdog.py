@@ -284,8 +284,10 @@ def is_fellow_worker(pid: int, started: int) -> bool:
     """Whether `pid` is a process started by the same parent as this one (a worker of the same torchrun
     agent) at the time `started` says, so not another user's process or a later one that reused the pid.
     The rendezvous store has no authentication, so nothing read from it is acted on unchecked."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] == os.getppid() and stat[1] == started and started > 0
+    parent, stat = os.getppid(), _stat(pid)
+    if parent <= 1:  # the agent is gone: "the same parent" would match any orphan of the machine
+        return False
+    return stat is not None and stat[0] == parent and stat[1] == started and started > 0
 
 
 def _start_time(pid: int) -> int | None:

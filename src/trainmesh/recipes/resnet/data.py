@@ -33,11 +33,17 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from trainmesh.runtime.errors import UserError
+
 DIGITS_SOURCES = ("embedded", "digits")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 SPLIT_SEED = 0  # the train/val split never depends on run.seed
 AUGMENTED_IDS = 2**22  # training ids in all when augmenting (passes = this // images)
 STATS_IMAGES = 1000  # images used to estimate the normalisation mean and std
+
+
+class ImageDataError(UserError, ValueError):
+    """An image source that cannot be trained on as it is (missing, no classes, unreadable images)."""
 
 
 class ImageSource:
@@ -198,10 +204,13 @@ def folder_classes(root: Path) -> list[str]:
     """Class names of an image folder: its sub-folders (those of root/train if split), sorted."""
     base = root / "train" if _has_split(root) else root
     if not base.is_dir():
-        raise FileNotFoundError(f"data.source={str(root)!r} is neither 'embedded' (the digits) nor a folder")
+        raise ImageDataError(
+            f"data.source={str(root)!r} is neither 'embedded' (the digits) nor a folder. "
+            "Fix: --data.source=<a folder of class sub-folders>, or embedded."
+        )
     classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
-        raise ValueError(f"data.source={str(root)!r} has no class sub-folders (expected root/<class>/<image>)")
+        raise ImageDataError(f"data.source={str(root)!r} has no class sub-folders (expected root/<class>/<image>)")
     return classes
 
 
@@ -231,13 +240,13 @@ def _scan(base: Path, classes: list[str]) -> tuple[list[Path], list[int]]:
     labels: list[int] = []
     unknown = sorted(p.name for p in base.iterdir() if p.is_dir() and p.name not in classes)
     if unknown:
-        raise ValueError(f"{base} has class folders {unknown} that the training set does not have")
+        raise ImageDataError(f"{base} has class folders {unknown} that the training set does not have")
     for label, name in enumerate(classes):
         found = sorted(p for p in (base / name).glob("*") if p.suffix.lower() in (*IMAGE_SUFFIXES, ".npy"))
         files += found
         labels += [label] * len(found)
     if len(files) < 2:
-        raise ValueError(f"{base} holds {len(files)} images (.npy or {', '.join(IMAGE_SUFFIXES)}); need at least 2")
+        raise ImageDataError(f"{base} holds {len(files)} images (.npy or {', '.join(IMAGE_SUFFIXES)}); need at least 2")
     return files, labels
 
 
@@ -260,7 +269,7 @@ def read_image(path: Path) -> torch.Tensor:
         return x.unsqueeze(0)  # (1, H, W)
     if x.dim() == 3:
         return x.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
-    raise ValueError(f"{path}: expected an image of shape (H, W) or (H, W, C), got {tuple(x.shape)}")
+    raise ImageDataError(f"{path}: expected an image of shape (H, W) or (H, W, C), got {tuple(x.shape)}")
 
 
 def match_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
@@ -274,7 +283,7 @@ def match_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
         return x.expand(*x.shape[:-3], channels, *x.shape[-2:]).contiguous()
     if channels == 1:
         return x.mean(dim=-3, keepdim=True)
-    raise ValueError(f"cannot turn a {have}-channel image into model.in_channels={channels}")
+    raise ImageDataError(f"cannot turn a {have}-channel image into model.in_channels={channels}")
 
 
 def resize(x: torch.Tensor, size: int) -> torch.Tensor:

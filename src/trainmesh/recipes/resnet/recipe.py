@@ -15,7 +15,14 @@ from torch.utils.data import Dataset
 from trainmesh.config.schema import Config
 from trainmesh.layers import convert_sync_batchnorm
 from trainmesh.recipes.base import Recipe
-from trainmesh.recipes.resnet.data import DIGITS_SOURCES, Augment, ImageData, folder_classes, load_image_data
+from trainmesh.recipes.resnet.data import (
+    DIGITS_SOURCES,
+    Augment,
+    ImageData,
+    ImageDataError,
+    folder_classes,
+    load_image_data,
+)
 from trainmesh.recipes.resnet.model import DEPTHS, ResNet, ResNetConfig, ResNetStage, count_macs
 from trainmesh.runtime.logging import get_logger
 from trainmesh.strategies.mesh import MeshShape
@@ -65,7 +72,7 @@ class ResNetRecipe(Recipe):
             config.data.source, model.image_size, model.in_channels, config.data.val_fraction, augment, config.run.seed
         )
         if model.num_classes and model.num_classes < data.num_classes:
-            raise ValueError(
+            raise ImageDataError(
                 f"model.num_classes={model.num_classes} but data.source={config.data.source!r} has "
                 f"{data.num_classes} classes. Fix: --model.num_classes={data.num_classes} (or 0: from the data)."
             )

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
@@ -36,6 +37,8 @@ NANO = [
     "--checkpoint.final=false",
     "--optim.warmup_steps=2",
     "--optim.lr=1e-2",
+    "--dist.timeout_s=20",  # a rank left waiting in a collective fails the test in seconds, not minutes
+    "--dist.stall_timeout_s=30",  # and one stuck elsewhere is ended by the stall watchdog
 ]
 
 
@@ -94,27 +97,38 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
         "losses": [r["loss"] for r in records if r["kind"] == "train"],  # logged per window (rank 0's log)
+        "grad_norms": [r["grad_norm"] for r in records if r["kind"] == "train"],  # before clipping, per step
     }
 
 
-def train_rank_runs(rank: int, root: str, runs: list[list[str]]) -> list[dict[str, Any]]:
+def train_rank_runs(rank: int, root: str, runs: list[list[str]], padded: bool = False) -> list[dict[str, Any]]:
     """`train_rank` for several runs one after another in the same processes: one process start (most
     of a small test's time) for many settings. Each run joins and leaves its own process group, on a
     fresh port that rank 0 picks and hands over in a file (the last run's store may still hold its own)."""
     results = []
+    spawn = os.environ["MASTER_PORT"]  # names this spawn's handover files: several spawns may share `root`
     for i, overrides in enumerate(runs):
         if i:
-            handover = Path(root) / f"port_{i}"
+            handover = Path(root) / f"port_{spawn}_{i}"
             if rank == 0:
-                (Path(root) / f"port_{i}.tmp").write_text(str(free_port()))
-                (Path(root) / f"port_{i}.tmp").rename(handover)
+                (Path(root) / f"port_{spawn}_{i}.tmp").write_text(str(free_port()))
+                (Path(root) / f"port_{spawn}_{i}.tmp").rename(handover)
             deadline = time.monotonic() + 60
             while not handover.exists():
                 assert time.monotonic() < deadline, "rank 0 did not hand over the next port"
                 time.sleep(0.05)
             os.environ["MASTER_PORT"] = handover.read_text()
-        results.append(train_rank(rank, root, overrides))
+        results.append(train_rank(rank, root, overrides, padded))
     return results
+
+
+def assert_same_training(got: dict[str, Any], reference: dict[str, Any], what: str, rel: float = 1e-4) -> None:
+    """The per-step losses and gradient norms (before clipping) of rank 0's log match the reference's.
+    Parameters alone can hide a gradient off by a constant factor: with clipping active at every step,
+    or without it, AdamW's update hardly depends on the gradient's scale; its norm does."""
+    assert len(reference["losses"]) == len(reference["grad_norms"]) > 0, f"{what}: the reference logged no steps"
+    assert got["losses"] == pytest.approx(reference["losses"], rel=rel), f"{what}: per-step losses"
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=rel), f"{what}: per-step gradient norms"
 
 
 def nano_toml(root: Path) -> Path:

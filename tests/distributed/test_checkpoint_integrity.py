@@ -5,6 +5,7 @@ checkpoint and still finishes bit for bit like the undamaged run."""
 from __future__ import annotations
 
 import errno
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -87,6 +88,29 @@ def test_damage_is_detected_and_the_run_falls_back(
         assert torch.equal(result["params"][key], value), key
 
 
+def test_damage_to_a_file_that_rank_1_checks_is_found_in_a_2_rank_resume(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Verification is spread over the ranks (file i to rank i mod 2): rank 1's findings count as much as
+    rank 0's."""
+    two = [*RUN, "--train.micro_batch=4"]
+    (reference, _) = run_distributed(train_rank, 2, args=(str(tmp_path), [*two, "--run.name=ref"]))
+    shutil.copytree(tmp_path / "runs" / "ref", tmp_path / "runs" / "hit")
+    ckpt = tmp_path / "runs" / "hit" / "checkpoints" / "step_00000006"
+    names = sorted(json.loads((ckpt / "manifest.json").read_text())["files"])
+    damaged = ckpt / names[1]  # the first file rank 1 hashes
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    (resumed, _) = run_distributed(
+        train_rank, 2, args=(str(tmp_path), [*two, "--run.name=hit", "--checkpoint.resume=true"])
+    )
+    log = capfd.readouterr().err
+    assert f"{damaged}: sha256" in log and re.search(r"resumed from \S*step_00000003", log), log[-2000:]
+    for key, value in reference["params"].items():
+        assert torch.equal(resumed["params"][key], value), key
+
+
 def test_abort_policy_stops_with_the_path(reference: tuple[Path, dict]) -> None:
     root, _ = reference
     _damaged_copy(root, "abort", _flip_byte)
@@ -160,7 +184,7 @@ def failing_save_rank(rank: int, root: str, where: str) -> dict[str, Any]:
 @pytest.mark.parametrize("where", ["manifest", "torch.save"])
 def test_a_failure_in_any_part_of_a_save_stops_every_rank_alike(tmp_path: Path, where: str) -> None:
     with pytest.raises(DistributedTestError, match=r"saving checkpoint \S*step_00000003 failed on rank\(s\) \[1\]"):
-        run_distributed(failing_save_rank, 2, args=(str(tmp_path), where), timeout_s=120)
+        run_distributed(failing_save_rank, 2, args=(str(tmp_path), where), timeout_s=60)
     checkpoints = checkpoint_root(tmp_path / "runs" / where)
     assert not list(checkpoints.iterdir())  # nothing committed, the staging folder removed
 

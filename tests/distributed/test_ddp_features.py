@@ -3,6 +3,7 @@ communication still trains, the fp16 loss-scale skip is agreed by every rank, da
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
-from support import train_rank
+from support import train_rank, train_rank_runs
 from trainmesh import DDPOptions, Runtime
 from trainmesh.testing import run_distributed
 
@@ -47,6 +49,46 @@ def test_no_sync_skips_the_all_reduce_and_options_reach_ddp() -> None:
     for result in run_distributed(no_sync_rank, 2):
         assert result["differ_in_no_sync"] and result["equal_after_sync"]
         assert result["bucket_bytes_cap"] == int(1.5 * 1024 * 1024)
+
+
+def sync_count_rank(rank: int, root: str, strategy: str, micro_batch: int) -> int:
+    """`train_rank` for 3 steps of 8 samples on 2 ranks, counting gradient synchronisations: DDP's comm hook
+    calls (one bucket) or FSDP's reduce-scatters."""
+    calls = [0]
+
+    def counted(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    if strategy == "ddp":  # the hook --parallel.ddp.comm_hook=fp16 registers
+        real_hook = default_hooks.fp16_compress_hook
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the names (and annotations)
+            calls[0] += 1
+            return real_hook(state, bucket)
+
+        default_hooks.fp16_compress_hook = hook
+        extra = ["--parallel.ddp.comm_hook=fp16", "--parallel.ddp.bucket_cap_mb=1000"]
+    else:
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # what FSDP2 calls (torch 2.13: the first)
+            if hasattr(dist, name):
+                setattr(dist, name, counted(getattr(dist, name)))
+        extra = ["--parallel.strategy=fsdp"]
+    overrides = ["--train.global_batch=8", "--train.max_steps=3", f"--train.micro_batch={micro_batch}", *extra]
+    train_rank(rank, root, [*overrides, f"--run.name={strategy}-{micro_batch}"])
+    return calls[0]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gradients_are_synchronised_once_per_step_under_accumulation(tmp_path: Path, strategy: str) -> None:
+    """4 micro-steps per optimizer step synchronise gradients as often as 1 does: no_sync (or FSDP's
+    requires_gradient_sync) holds back all but the last micro-step's."""
+    once = run_distributed(sync_count_rank, 2, args=(str(tmp_path), strategy, 4))  # no accumulation
+    accumulated = run_distributed(sync_count_rank, 2, args=(str(tmp_path), strategy, 1))  # 4 micro-steps
+    assert once[0] > 0 and accumulated == once, (once, accumulated)
 
 
 def overflow_rank(rank: int) -> dict[str, Any]:
@@ -100,13 +142,16 @@ def test_setup_dataloader_shards_and_metric_reductions() -> None:
 
 
 def test_fp16_compressed_gradients_still_train_in_step(tmp_path: Path) -> None:
-    overrides = ["--train.micro_batch=4", "--train.global_batch=8", "--parallel.ddp.comm_hook=fp16"]
-    plain = run_distributed(train_rank, 2, args=(str(tmp_path), [*overrides[:2], "--run.name=plain"]))
-    hooked = run_distributed(train_rank, 2, args=(str(tmp_path), [*overrides, "--run.name=hooked"]))
+    """The fp16 hook is really in place: rounding each gradient bucket to 16 bits moves the weights
+    (unlike a no-op), by no more than fp16's precision over a few steps."""
+    batch = ["--train.micro_batch=4", "--train.global_batch=8", "--train.max_steps=6"]
+    runs = [[*batch, "--run.name=plain"], [*batch, "--parallel.ddp.comm_hook=fp16", "--run.name=hooked"]]
+    plain, hooked = zip(*run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs)), strict=True)
     for key, value in hooked[0]["params"].items():
         assert torch.equal(value, hooked[1]["params"][key])  # replicas stay identical
-    # Rounding gradients to 16 bits perturbs the update slightly; the run stays close to fp32 all-reduce.
-    assert abs(hooked[0]["val_loss"] - plain[0]["val_loss"]) < 0.05
+    moved = max(float((hooked[0]["params"][k] - v).abs().max()) for k, v in plain[0]["params"].items())
+    assert 0 < moved < 1e-2, moved  # observed: about 1e-4 after 6 AdamW steps at lr 1e-2
+    assert hooked[0]["losses"] == pytest.approx(plain[0]["losses"], rel=1e-2)
 
 
 def test_bf16_compression_is_refused_without_nccl() -> None:

@@ -6,11 +6,12 @@ between fsdp, ddp and a single process (DCP reshards)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from support import train_rank
+from support import assert_same_training, train_rank, train_rank_runs
 from trainmesh.checkpoint import read_full_state
 from trainmesh.testing import run_distributed
 
@@ -23,28 +24,37 @@ BATCH = ["--train.global_batch=8", "--model.dropout=0.0"]
 FSDP = "--parallel.strategy=fsdp"
 AC = "parallel.activation_checkpointing"
 
-SETUPS = {
-    "fsdp full shard, 2 ranks": (2, [FSDP, "--train.micro_batch=4"]),
+NO_CLIP = "--train.grad_clip=0"
+SETUPS: dict[str, tuple[int, list[str], str]] = {  # name: (world size, overrides, which reference)
+    "fsdp full shard, 2 ranks": (2, [FSDP, "--train.micro_batch=4"], "plain"),
     "fsdp shard-grad-op (ZeRO-2), 2 ranks": (
         2,
         [FSDP, "--train.micro_batch=4", "--parallel.fsdp.reshard_after_forward=false"],
+        "plain",
     ),
-    "fsdp b/2 × 2 accumulation (no_sync)": (2, [FSDP, "--train.micro_batch=2"]),
-    "fsdp cpu offload, 2 ranks": (2, [FSDP, "--train.micro_batch=4", "--parallel.fsdp.cpu_offload=true"]),
-    "fsdp hybrid 2 × 2, 4 ranks": (4, [FSDP, "--train.micro_batch=2", "--parallel.dp_replicate=2"]),
+    "fsdp b/2 × 2 accumulation (no_sync)": (2, [FSDP, "--train.micro_batch=2"], "plain"),
+    "fsdp cpu offload, 2 ranks": (2, [FSDP, "--train.micro_batch=4", "--parallel.fsdp.cpu_offload=true"], "plain"),
+    "fsdp hybrid 2 × 2, 4 ranks": (4, [FSDP, "--train.micro_batch=2", "--parallel.dp_replicate=2"], "plain"),
     "fsdp no prefetch, every block recomputed": (
         2,
         [FSDP, "--train.micro_batch=4", "--parallel.fsdp.prefetch=0", "--parallel.activation_checkpointing=1"],
+        "plain",
     ),
+    "fsdp b/2 × 2, no clipping": (2, [FSDP, "--train.micro_batch=2", NO_CLIP], "no clipping"),
+    "fsdp b/2 × 2, uneven target counts": (2, [FSDP, "--train.micro_batch=2"], "uneven target counts"),
 }
+REFERENCES = {"plain": [], "no clipping": [NO_CLIP], "uneven target counts": []}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """One process, batch 2b, for each kind of setup (uneven: with ignore_index padding)."""
     root = tmp_path_factory.mktemp("fsdp-ref")
-    overrides = [*BATCH, "--train.micro_batch=8", "--parallel.strategy=single", "--run.name=ref"]
-    (result,) = run_distributed(train_rank, 1, args=(str(root), overrides))
-    return result["params"]
+    base = [*BATCH, "--train.micro_batch=8", "--parallel.strategy=single"]
+    plain = [[*base, *extra, f"--run.name=ref{i}"] for i, extra in enumerate(REFERENCES.values())]
+    (results,) = run_distributed(train_rank_runs, 1, args=(str(root), plain[:2]))
+    (uneven,) = run_distributed(train_rank_runs, 1, args=(str(root), plain[2:], True))
+    return dict(zip(REFERENCES, [*results, *uneven], strict=True))
 
 
 def _assert_close(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], what: str) -> None:
@@ -53,14 +63,16 @@ def _assert_close(params: dict[str, torch.Tensor], reference: dict[str, torch.Te
         torch.testing.assert_close(params[key], ref, atol=ATOL, rtol=RTOL, msg=f"{what}: {key}")
 
 
-@pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(SETUPS))
-def test_fsdp_equals_one_process(name: str, reference: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    world, overrides = SETUPS[name]
-    results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.name=f"]))
+def test_fsdp_equals_one_process(name: str, references: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    world, overrides, kind = SETUPS[name]
+    padded = kind == "uneven target counts"
+    results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.name=f"], padded))
+    reference = references[kind]
     for result in results:  # every rank gathers the same full parameters
-        _assert_close(result["params"], reference, name)
+        _assert_close(result["params"], reference["params"], name)
         assert "blocks.0.attn.q.weight" in result["sharded"] and "wte.weight" in result["sharded"]
+    assert_same_training(results[0], reference, name)
 
 
 def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:
@@ -74,7 +86,6 @@ def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:
         assert torch.equal(recomputed["params"][key], value), key
 
 
-@pytest.mark.timeout(240)
 def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path: Path) -> None:
     """fsdp (2 ranks) saves at step 2 -> one process resumes; ddp saves -> fsdp resumes: each
     continuation matches the uninterrupted fsdp / ddp run. A sharded checkpoint also reads back whole

@@ -15,7 +15,9 @@ from trainmesh.testing import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--train.micro_batch=4", "--train.global_batch=8", "--train.max_steps=5"]
+# A short collective timeout: ranks that decided differently wait for each other in mismatched collectives,
+# which must fail the test in seconds.
+RUN = ["--train.micro_batch=4", "--train.global_batch=8", "--train.max_steps=5", "--dist.timeout_s=8"]
 
 
 def test_skip_policy_skips_the_step_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

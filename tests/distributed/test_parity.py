@@ -1,16 +1,18 @@
 """Data parallel equals one process: DDP on 2 gloo ranks with micro-batch b, one process with batch 2b,
 and one process with batch b and 2 accumulation steps reach the same parameters after several AdamW
-steps (fp32). Also with micro-batches whose target counts differ (ignore_index padding), where a
-per-micro-batch mean would be wrong."""
+steps (fp32), with the same loss and gradient norm at every step. Also with micro-batches whose target
+counts differ (ignore_index padding), where a per-micro-batch mean would be wrong, and without gradient
+clipping (where AdamW's update hides a gradient's scale even more: only its norm shows it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from support import train_rank
+from support import assert_same_training, train_rank_runs
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -18,43 +20,52 @@ pytestmark = pytest.mark.slow
 # Reduction order differs (two-way all-reduce vs one batched sum), so equality holds to fp32 rounding,
 # amplified a little by Adam's normalisation over 4 steps; observed max |diff| is ~1e-6.
 ATOL, RTOL = 2e-5, 1e-4
+BATCH = ["--train.global_batch=8"]
+NO_CLIP = "--train.grad_clip=0"
 
-SETUPS = {
-    "single, batch 2b": (1, ["--train.micro_batch=8", "--train.global_batch=8", "--parallel.strategy=single"]),
-    "single, b × 2 accumulation": (1, ["--train.micro_batch=4", "--train.global_batch=8"]),
-    "ddp 2 ranks, micro b": (2, ["--train.micro_batch=4", "--train.global_batch=8", "--parallel.strategy=ddp"]),
-    "ddp 2 ranks, b/2 × 2 accumulation": (
-        2,
-        ["--train.micro_batch=2", "--train.global_batch=8", "--parallel.strategy=ddp"],
-    ),
+SETUPS: dict[str, tuple[int, list[str]]] = {  # name: (world size, overrides); the first is the reference
+    "single, batch 2b": (1, [*BATCH, "--train.micro_batch=8", "--parallel.strategy=single"]),
+    "single, b × 2 accumulation": (1, [*BATCH, "--train.micro_batch=4"]),
+    "ddp 2 ranks, micro b": (2, [*BATCH, "--train.micro_batch=4", "--parallel.strategy=ddp"]),
+    "ddp 2 ranks, b/2 × 2 accumulation": (2, [*BATCH, "--train.micro_batch=2", "--parallel.strategy=ddp"]),
+    "single, batch 2b, no clipping": (1, [*BATCH, "--train.micro_batch=8", NO_CLIP]),
+    "ddp 2 ranks, b/2 × 2 accumulation, no clipping": (2, [*BATCH, "--train.micro_batch=2", NO_CLIP]),
 }
 
 
-def _train_all(root: Path, padded: bool) -> dict[str, dict[str, torch.Tensor]]:
-    params = {}
-    for i, (name, (world, overrides)) in enumerate(SETUPS.items()):
-        results = run_distributed(train_rank, world, args=(str(root), [*overrides, f"--run.name=p{i}"], padded))
-        if world > 1:  # DDP keeps replicas identical
-            for a, b in zip(results[0]["params"].values(), results[1]["params"].values(), strict=True):
-                assert torch.equal(a, b)
-        params[name] = results[0]["params"]
-    return params
+def _train_all(root: Path, padded: bool) -> dict[str, dict[str, Any]]:
+    """Every setup, one process start per world size (train_rank_runs)."""
+    results: dict[str, dict[str, Any]] = {}
+    for world in (1, 2):
+        names = [name for name, (w, _) in SETUPS.items() if w == world]
+        runs = [[*SETUPS[name][1], f"--run.name={world}-{i}"] for i, name in enumerate(names)]
+        per_rank = run_distributed(train_rank_runs, world, args=(str(root), runs, padded), timeout_s=60)
+        for i, name in enumerate(names):
+            if world > 1:  # DDP keeps replicas identical
+                for a, b in zip(per_rank[0][i]["params"].values(), per_rank[1][i]["params"].values(), strict=True):
+                    assert torch.equal(a, b), name
+            results[name] = per_rank[0][i]
+    return results
 
 
-def _assert_same(params: dict[str, dict[str, torch.Tensor]]) -> None:
-    reference_name, reference = next(iter(params.items()))
-    for name, weights in params.items():
-        for key, ref in reference.items():
-            torch.testing.assert_close(
-                weights[key], ref, atol=ATOL, rtol=RTOL, msg=f"{name} vs {reference_name}: {key}"
-            )
+def _assert_same(results: dict[str, dict[str, Any]]) -> None:
+    for clipped in (True, False):
+        group = {name: r for name, r in results.items() if ("no clipping" not in name) == clipped}
+        reference_name, reference = next(iter(group.items()))
+        for name, result in group.items():
+            for key, ref in reference["params"].items():
+                torch.testing.assert_close(
+                    result["params"][key], ref, atol=ATOL, rtol=RTOL, msg=f"{name} vs {reference_name}: {key}"
+                )
+            assert_same_training(result, reference, f"{name} vs {reference_name}")
+    clipped, unclipped = results["single, batch 2b"], results["single, batch 2b, no clipping"]
+    assert clipped["grad_norms"][0] > 1.0, "clipping must be active for the clipped setups to mean anything"
+    assert not torch.equal(clipped["params"]["wte.weight"], unclipped["params"]["wte.weight"])
 
 
-@pytest.mark.timeout(240)
 def test_ddp_equals_single_and_accumulation(tmp_path: Path) -> None:
     _assert_same(_train_all(tmp_path, padded=False))
 
 
-@pytest.mark.timeout(240)
 def test_parity_holds_with_uneven_target_counts(tmp_path: Path) -> None:
     _assert_same(_train_all(tmp_path, padded=True))

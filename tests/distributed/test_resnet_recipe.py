@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from support import assert_same_training
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.config.validate import load_config
 from trainmesh.testing import run_distributed
@@ -40,19 +41,31 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def resnet_rank(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
     config = load_config(None, [*TINY, f"--run.out_dir={root}/runs", *overrides], "resnet")
-    result = run_worker(config, Path(root) / "runs" / config.run.name)
-    return {"rank": rank, "state": {k: v.detach().cpu().clone() for k, v in result.model.state_dict().items()}}
+    run_dir = Path(root) / "runs" / config.run.name
+    result = run_worker(config, run_dir)
+    train = [r for r in _records(run_dir) if r["kind"] == "train"] if rank == 0 else []
+    return {
+        "rank": rank,
+        "state": {k: v.detach().cpu().clone() for k, v in result.model.state_dict().items()},
+        "losses": [r["loss"] for r in train],
+        "grad_norms": [r["grad_norm"] for r in train],
+    }
 
 
-def _state(root: Path, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
-    results = run_distributed(resnet_rank, world, args=(str(root), overrides), timeout_s=90)
+def _run(root: Path, world: int, overrides: list[str]) -> dict[str, Any]:
+    """Rank 0's result: its state (parameters, running statistics) and the per-step log."""
+    results = run_distributed(resnet_rank, world, args=(str(root), overrides), timeout_s=60)
     synced = "--model.norm=sync_batch" in overrides
     for key, value in results[0]["state"].items():
         # Replicas agree: parameters through DDP, running statistics when they are synchronised (with
         # per-rank BatchNorm each rank updates rank 0's broadcast statistics with its own batch).
         if world > 1 and (synced or "running" not in key):
             torch.testing.assert_close(results[1]["state"][key], value, atol=0, rtol=0, msg=key)
-    return results[0]["state"]
+    return dict(results[0])
+
+
+def _state(root: Path, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+    return dict(_run(root, world, overrides)["state"])
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -65,26 +78,26 @@ def _assert_same(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
         torch.testing.assert_close(got[key], ref, atol=ATOL, rtol=RTOL, msg=key)
 
 
-@pytest.mark.timeout(240)
 def test_sync_batchnorm_on_2_ranks_equals_one_process(tmp_path: Path) -> None:
     batch = ["--train.global_batch=16"]
-    single = _state(tmp_path, 1, [*batch, "--train.micro_batch=16", "--model.norm=sync_batch", "--run.name=single"])
-    synced = _state(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=synced"])
-    _assert_same(synced, single)
+    single = _run(tmp_path, 1, [*batch, "--train.micro_batch=16", "--model.norm=sync_batch", "--run.name=single"])
+    synced = _run(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=synced"])
+    _assert_same(synced["state"], single["state"])
+    assert_same_training(synced, single, "sync_batch, 2 ranks")
     local = _state(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=batch", "--run.name=local"])
     with pytest.raises(AssertionError):  # per-rank statistics: the comparison above would catch them
-        _assert_same(local, single)
+        _assert_same(local, single["state"])
     # 2 pipeline stages × 2 DDP replicas: SyncBatchNorm over the 2 replicas of each stage only; one
     # pipeline micro-batch, so each BatchNorm sees the same 8 + 8 samples as above.
     pipeline = [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=pp"]
     pipeline += ["--parallel.pp=2", "--parallel.pipeline.microbatches=1", "--parallel.pipeline.schedule=gpipe"]
-    ranks = run_distributed(resnet_rank, 4, args=(str(tmp_path), pipeline), timeout_s=150)
+    ranks = run_distributed(resnet_rank, 4, args=(str(tmp_path), pipeline), timeout_s=60)
     stages = {**ranks[0]["state"], **ranks[2]["state"]}  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
     assert "stem.0.weight" not in ranks[2]["state"] and "head.weight" not in ranks[0]["state"]
-    _assert_same(stages, single)
+    _assert_same(stages, single["state"])
+    assert_same_training(ranks[0], single, "2 stages × 2 replicas")
 
 
-@pytest.mark.timeout(240)
 def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     common = [
         "--model.norm=sync_batch",
@@ -106,7 +119,6 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     assert [r["step"] for r in _records(runs / "resumed") if r["kind"] == "train"] == [4, 5, 6]
 
 
-@pytest.mark.timeout(120)
 def test_training_reports_validation_top1(tmp_path: Path) -> None:
     overrides = [
         "--model.width=8",
@@ -121,9 +133,9 @@ def test_training_reports_validation_top1(tmp_path: Path) -> None:
         "--data.val_fraction=0.2",
         "--run.name=top1",
     ]
-    run_distributed(resnet_rank, 2, args=(str(tmp_path), overrides), timeout_s=100)
+    run_distributed(resnet_rank, 2, args=(str(tmp_path), overrides), timeout_s=60)
     val = [r for r in _records(tmp_path / "runs" / "top1") if r["kind"] == "val"]
     assert [r["step"] for r in val] == [0, 30, 60]
-    assert all(0.0 <= r["val_top1"] <= 1.0 for r in val)
-    assert val[-1]["val_top1"] > 0.6, val  # 10 classes: chance is 0.1
+    assert val[0]["val_top1"] < 0.3, val  # untrained, 10 classes: about chance, 0.1
+    assert val[-1]["val_top1"] > 0.6, val
     assert val[-1]["val_loss"] < val[0]["val_loss"]

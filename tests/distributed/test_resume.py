@@ -28,7 +28,6 @@ def _interrupted_copy(root: Path, name: str) -> None:
     assert [p.name for p in list_checkpoints(root / "runs" / name)] == ["step_00000003"]
 
 
-@pytest.mark.timeout(240)
 def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     common = [*COMMON, "--model.dropout=0.1", "--checkpoint.final=true"]
     full = run_distributed(train_rank, 2, args=(str(tmp_path), [*common, "--run.name=full"]))
@@ -40,7 +39,6 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     assert resumed[0]["train_loss"] == full[0]["train_loss"]
 
 
-@pytest.mark.timeout(240)
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     full = run_distributed(train_rank, 2, args=(str(tmp_path), [*COMMON, "--run.name=full"]))
     _interrupted_copy(tmp_path, "one")

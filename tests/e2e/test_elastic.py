@@ -2,8 +2,8 @@
 alone; a second joins and both continue from a checkpoint at world size 2; the second is killed (agent
 and worker) and the survivor re-forms the group alone and continues from the newest checkpoint (the
 data order and the DCP checkpoint do not depend on the world size); then a replacement started with the
-same command joins the survivor, which stops its worker (SIGTERM: a checkpoint), and the two finish the
-run together."""
+same command joins the survivor, which stops its worker (SIGTERM: a checkpoint), and the two train on
+together from it until SIGTERM, as a scheduler sends it, stops both at a step boundary with a checkpoint."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def _kill_node(agent: subprocess.Popen[str]) -> None:
     agent.wait()
 
 
-def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_run_completes(tmp_path: Path) -> None:
-    steps = 3000  # enough to outlast the growth, the kill, the survivor alone and the replacement joining
+def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_pair_trains_on(tmp_path: Path) -> None:
+    steps = 100_000  # more than the test lasts: it ends the run with SIGTERM once the replacement has saved
     endpoint = f"127.0.0.1:{free_port()}"
     node = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "1"]
     node += ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic", "--max-restarts", "3"]
@@ -98,14 +98,20 @@ def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_run_completes(
         _kill_node(agents["doomed"])
         wait_for(lambda: [ranks for _, ranks in resumes()][-1:] == [1], 90, ["first"])  # the survivor alone
         start("replacement")
+        wait_for(lambda: [ranks for _, ranks in resumes()][-1:] == [2] and len(resumes()) >= 3, 90, ["first"])
+        replaced = resumes()[-1][0]
+        saved = run_dir / "checkpoints" / f"step_{(replaced // 20 + 1) * 20:08d}"  # the new pair's first save
+        wait_for(saved.exists, 90, ["first", "replacement"])
+        for name in ("first", "replacement"):  # the pair trains on; stop it as a scheduler would: SIGTERM
+            agents[name].send_signal(signal.SIGTERM)
         for name in ("first", "replacement"):
-            assert agents[name].wait(timeout=150) == 0, logs()
+            assert agents[name].wait(timeout=60) == 75, logs()  # stopped at a step boundary, with a checkpoint
     finally:
         for agent in agents.values():
             if agent.poll() is None:
                 _kill_node(agent)
     final = latest_checkpoint(run_dir)
-    assert final is not None and final.name == f"step_{steps:08d}" and verify(final).ok
+    assert final is not None and int(final.name[5:]) >= int(saved.name[5:]) and verify(final).ok
     (grown, two), (alone, one), (replaced, two_again) = resumes()[:3]
     # The growth continued from step 20 or later at world size 2, the survivor from a checkpoint of
     # the pair, and the pair with the replacement from what the survivor saved alone.

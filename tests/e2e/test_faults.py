@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import nano_toml
+from support import nano_toml, train_rank
 from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state, verify
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def _train(
     root: Path, name: str, *flags: str, fault: str = "", restarts: int = 1, overrides: list[str] = OVERRIDES
 ) -> subprocess.CompletedProcess[str]:
     cmd = _command(root, name, *flags, restarts=restarts, overrides=overrides)
-    return subprocess.run(cmd, cwd=root, env=_env(fault), capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(cmd, cwd=root, env=_env(fault), capture_output=True, text=True, timeout=150, check=False)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -65,8 +66,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor], dict[int, float]]:
     root = tmp_path_factory.mktemp("faults")
-    result = _train(root, "reference", restarts=0)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # In this process's workers (the same worker code and config as `trainmesh run`, without its start-up)
+    run_distributed(train_rank, 2, args=(str(root), [*OVERRIDES, "--run.name=reference"]))
     run_dir = root / "runs" / "reference"
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == "step_00000008"
@@ -78,28 +79,41 @@ def _assert_same_as_reference(root: Path, name: str, reference: tuple[Path, dict
     run_dir = root / "runs" / name
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == "step_00000008"
-    state = read_full_state(final)
-    for section in ("model", "optim"):
-        for key, value in ref_state[section].items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(state[section][key], value), f"{section}.{key}"
+    state, reference_state = _tensors(read_full_state(final)), _tensors(ref_state)
+    assert state.keys() == reference_state.keys() and any(k.startswith("optim.state.") for k in state)
+    for key, value in reference_state.items():  # the model and every optimizer moment
+        assert torch.equal(state[key], value), key
     assert _losses(run_dir) == ref_losses
 
 
-@pytest.mark.parametrize("kind", ["sigkill", "exception", "exit", "segfault"])
-def test_a_dying_rank_is_restarted_and_the_run_ends_exactly_as_uninterrupted(kind: str, reference: tuple) -> None:
-    root = reference[0]
-    result = _train(root, kind, fault=f"rank=1,step=5,kind={kind}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"resumed from \S*step_00000004", result.stderr), result.stderr[-2000:]
-    _assert_same_as_reference(root, kind, reference)
+def _tensors(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict by its dotted path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix.rstrip("."): state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else []
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}{key}.").items()}
 
 
-def test_two_failures_at_different_steps(reference: tuple) -> None:
+@pytest.mark.parametrize(
+    ("faults", "resumed"),
+    [
+        ("rank=1,step=3,kind=sigkill;rank=0,step=7,kind=exception", [2, 6]),
+        ("rank=0,step=3,kind=exit;rank=1,step=5,kind=segfault", [2, 4]),
+    ],
+    ids=["sigkill-then-exception", "exit-then-segfault"],
+)
+def test_dying_ranks_are_restarted_and_the_run_ends_exactly_as_uninterrupted(
+    faults: str, resumed: list[int], reference: tuple
+) -> None:
+    """Each kind of death (SIGKILL, an exception, os._exit, a segfault), two per run at different steps:
+    each restart resumes from the newest checkpoint, and the run ends as the uninterrupted one."""
     root = reference[0]
-    result = _train(root, "twice", fault="rank=1,step=3,kind=sigkill;rank=0,step=7,kind=exception", restarts=2)
+    name = "-".join(re.findall(r"kind=(\w+)", faults))
+    result = _train(root, name, fault=faults, restarts=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_same_as_reference(root, "twice", reference)
+    steps = [int(s) for s in re.findall(r"resumed from \S*step_(\d+)", result.stderr)]
+    assert steps == resumed, result.stderr[-2000:]
+    _assert_same_as_reference(root, name, reference)
 
 
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(reference: tuple) -> None:
@@ -121,14 +135,13 @@ def test_restarts_exhausted_fail_loudly_and_leave_only_committed_checkpoints(ref
     assert all((p / "trainer_state.json").is_file() for p in checkpoints)
 
 
-STOP = ["--train.max_steps=150", "--checkpoint.final=true", "--model.dropout=0.1"]
+STOP = ["--train.max_steps=60", "--checkpoint.final=true", "--model.dropout=0.1"]
 
 
 @pytest.fixture(scope="module")
 def stop_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("stop")
-    reference = _train(root, "ref", restarts=0, overrides=STOP)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_distributed(train_rank, 2, args=(str(root), [*STOP, "--run.name=ref"]))
     return root, read_full_state(latest_checkpoint(root / "runs" / "ref"))["model"]  # type: ignore[arg-type]
 
 
@@ -159,7 +172,7 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == code, stderr[-3000:]
     stopped = latest_checkpoint(root / "runs" / name)
-    assert stopped is not None and 0 < int(stopped.name[5:]) < 150, stderr[-2000:]
+    assert stopped is not None and 0 < int(stopped.name[5:]) < 60, stderr[-2000:]
     assert said in stderr and f"Continue with: --resume --run-id {name}" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
     if sig == signal.SIGINT:  # while here: a resume with another model is refused, plainly, on every rank
@@ -185,31 +198,33 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize(
-    ("name", "fault", "stuck"),
-    [
-        ("stopped", "rank=1,step=3,kind=sigstop", 1),  # a stopped process runs nothing at all
-        ("gil-held", "rank=0,step=3,kind=hang", 0),  # no Python thread can run: faulthandler's C timer acts
-        ("stuck-loader", "rank=1,step=4,kind=sleep,phase=data", 1),  # the rank's own watchdog sees it
-    ],
-)
-def test_a_stall_is_diagnosed_torn_down_and_restarted(name: str, fault: str, stuck: int, reference: tuple) -> None:
+# Three stalls in one run, one per attempt (rank, after step, the stuck rank's own frame when it can dump it):
+STALLS = [
+    ("rank=1,step=3,kind=sigstop", 1, 3, None),  # a stopped process runs nothing at all
+    ("rank=0,step=5,kind=hang", 0, 5, "_fire"),  # holds the GIL: no Python thread runs, faulthandler's C timer acts
+    ("rank=1,step=7,kind=sleep,phase=data", 1, 6, "_fire"),  # a stuck data read: the rank's own watchdog sees it
+]
+
+
+def test_stalls_are_diagnosed_torn_down_and_restarted(reference: tuple) -> None:
     root = reference[0]
-    result = _train(root, name, fault=fault, overrides=[*OVERRIDES, "--dist.stall_timeout_s=3"])
+    faults = ";".join(fault for fault, *_ in STALLS)
+    result = _train(root, "stalls", fault=faults, restarts=3, overrides=[*OVERRIDES, "--dist.stall_timeout_s=3"])
     assert result.returncode == 0, result.stderr[-3000:]
-    stalls = root / "runs" / name / "stalls"
-    (attempt,) = stalls.glob("*-attempt_0")  # one folder per attempt, named by when it started
-    report = (attempt / "report.txt").read_text()
-    assert f"Did not arrive: rank(s) {stuck}." in report, report
-    assert "completed no step for" in report and "after step 3" in report
-    waiting_peer = (attempt / f"rank_{1 - stuck}.txt").read_text()
-    assert re.search(r'trainmesh/train/loop.py", line \d+ in train', waiting_peer), waiting_peer
-    if name != "stopped":  # the stuck rank's own stack names the frame it is stuck in
-        stack = (attempt / f"rank_{stuck}.txt").read_text()
-        assert re.search(r'trainmesh/faults.py", line \d+ in _fire', stack), stack
-    assert not list(stalls.glob("*-attempt_1"))  # the restarted attempt did not stall (and left no empty files)
-    assert not _processes_mentioning(f"runs/{name} "), "a process of the stalled attempt survived"
-    _assert_same_as_reference(root, name, reference)
+    stalls = root / "runs" / "stalls" / "stalls"
+    for attempt, (fault, stuck, after, frame) in enumerate(STALLS):  # one folder per attempt
+        (folder,) = stalls.glob(f"*-attempt_{attempt}")
+        report = (folder / "report.txt").read_text()
+        assert f"Did not arrive: rank(s) {stuck}." in report, (fault, report)
+        assert "completed no step for" in report and f"after step {after}." in report, (fault, report)
+        waiting_peer = (folder / f"rank_{1 - stuck}.txt").read_text()
+        assert re.search(r'trainmesh/train/loop.py", line \d+ in train', waiting_peer), (fault, waiting_peer)
+        if frame:  # the stuck rank's own stack names the frame it is stuck in
+            stack = (folder / f"rank_{stuck}.txt").read_text()
+            assert re.search(rf'trainmesh/faults.py", line \d+ in {frame}', stack), (fault, stack)
+    assert not list(stalls.glob("*-attempt_3"))  # the last attempt did not stall (and left no empty files)
+    assert not _processes_mentioning("runs/stalls "), "a process of a stalled attempt survived"
+    _assert_same_as_reference(root, "stalls", reference)
 
 
 ASYNC = [*OVERRIDES, "--checkpoint.async_save=true"]
@@ -243,7 +258,7 @@ def test_a_really_full_disk_says_where_and_how_much_and_keeps_the_previous_check
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=150,
         check=False,
     )
     assert "RUN_EXIT=2" in result.stdout, result.stdout + result.stderr[-3000:]
@@ -256,37 +271,33 @@ def test_a_really_full_disk_says_where_and_how_much_and_keeps_the_previous_check
     assert "VERIFY_EXIT=0" in result.stdout and "OK      " in result.stdout, result.stdout
 
 
-def test_async_checkpoints_hold_the_same_bytes_and_the_last_is_durable_at_exit(reference: tuple) -> None:
-    """Saved in the background while training goes on (and mutates the weights in place): every
-    checkpoint still holds the state of its own step, and the final one is committed before exit."""
+def test_async_checkpoints_hold_the_same_bytes_survive_a_kill_and_the_last_is_durable(reference: tuple) -> None:
+    """Saved in the background while training goes on (and mutates the weights in place), killed after step
+    5 and resumed: every checkpoint holds exactly the state of its own step, the blocking saves' state, and
+    the final one is committed before the process exits."""
     root = reference[0]
-    result = _train(root, "async", overrides=ASYNC, restarts=0)
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = root / "runs" / "async"
-    assert [p.name for p in list_checkpoints(run_dir)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
-    assert all(verify(p).ok for p in list_checkpoints(run_dir))
-    _assert_same_as_reference(root, "async", reference)
-    middle = read_full_state(run_dir / "checkpoints" / "step_00000004")
-    reference_middle = read_full_state(root / "runs" / "reference" / "checkpoints" / "step_00000004")
-    for key, value in reference_middle["model"].items():
-        assert torch.equal(middle["model"][key], value), key
-
-
-def test_async_checkpoints_survive_a_kill(reference: tuple) -> None:
-    root = reference[0]
-    result = _train(root, "async-kill", fault="rank=1,step=5,kind=sigkill", overrides=ASYNC)
+    result = _train(root, "async", fault="rank=1,step=5,kind=sigkill", overrides=ASYNC)
     assert result.returncode == 0, result.stderr[-3000:]
     # the save of step 4 may or may not have been committed when step 5 ended: either is a valid resume
     assert re.search(r"resumed from \S*step_0000000[24]", result.stderr), result.stderr[-2000:]
-    _assert_same_as_reference(root, "async-kill", reference)
+    run_dir = root / "runs" / "async"
+    checkpoints = list_checkpoints(run_dir)
+    assert [p.name for p in checkpoints] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    for checkpoint in checkpoints:
+        assert verify(checkpoint).ok, checkpoint
+        saved = _tensors(read_full_state(checkpoint))
+        blocking = _tensors(read_full_state(root / "runs" / "reference" / "checkpoints" / checkpoint.name))
+        assert saved.keys() == blocking.keys()
+        assert all(torch.equal(saved[k], v) for k, v in blocking.items()), checkpoint
+    _assert_same_as_reference(root, "async", reference)
 
 
-@pytest.mark.parametrize("overrides", [OVERRIDES, ASYNC], ids=["sync", "async"])
-def test_a_full_disk_fails_every_rank_alike_and_keeps_the_previous_checkpoint(
-    overrides: list[str], reference: tuple
+def test_a_full_disk_during_an_async_save_fails_every_rank_alike_and_keeps_the_previous_checkpoint(
+    reference: tuple,
 ) -> None:
-    root = reference[0]
-    name = "disk-full-" + ("async" if overrides is ASYNC else "sync")
+    """Injected in the background writer (a really full disk, synchronous saves: the test above)."""
+    root, overrides = reference[0], ASYNC
+    name = "disk-full-async"
     result = _train(root, name, fault="rank=1,step=4,kind=diskfull,phase=checkpoint", overrides=overrides, restarts=0)
     assert result.returncode == 2  # a problem for the user to fix, said plainly
     run_dir = root / "runs" / name

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from e2e.scripts.consumed_ids import IdLoggingRecipe
 from support import nano_toml
+from trainmesh.config.validate import load_config
+from trainmesh.testing import run_distributed
+from trainmesh.worker import run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +30,7 @@ def _train(root: Path, name: str, fault: str = "") -> Path:
     cmd = [str(BIN / "trainmesh"), "run", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT)]
     cmd += ["--config", str(nano_toml(root)), "--run-dir", str(run_dir), *OVERRIDES]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -60,21 +64,27 @@ def test_each_sample_is_consumed_exactly_as_uninterrupted_across_epochs(tmp_path
         assert after == ref[rank][0][4:]  # resumed at step 4: the same batches, through the epoch boundaries
 
 
-def test_a_resume_with_another_global_batch_repeats_and_skips_no_sample(tmp_path: Path) -> None:
+def consumed_ids_rank(rank: int, root: str, overrides: list[str]) -> None:
+    """scripts/consumed_ids.py's worker, in a rank of run_distributed."""
+    run_dir = Path(root) / "runs" / "regrouped"
+    (run_dir / "consumed").mkdir(parents=True, exist_ok=True)
+    config = load_config(str(nano_toml(Path(root))), ["--train.micro_batch=4", *overrides], "gpt")
+    run_worker(config, run_dir, recipe=IdLoggingRecipe(run_dir / "consumed"))
+
+
+def test_a_resume_with_another_global_batch_repeats_and_skips_no_sample(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """`train.global_batch` unset: 2 processes take 8 samples a step, 1 process 4. Stopped after 3 steps on 2
     processes and resumed on 1, the run continues at the 25th sample of the epoch (not at 3 × 4 = 12, which
     would re-read 12 samples), says so, and the first epoch still holds every sample exactly once."""
     run_dir = tmp_path / "runs" / "regrouped"
-    config = str(nano_toml(tmp_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for nproc, steps, resume in (("2", 3, "false"), ("1", 8, "true")):
-        cmd = [str(BIN / "trainmesh"), "run", "--nproc-per-node", nproc, str(SCRIPT), "--config", config]
-        cmd += ["--run-dir", str(run_dir), f"--train.max_steps={steps}", "--checkpoint.final=true"]
-        cmd += [f"--checkpoint.resume={resume}", "--train.micro_batch=4"]
-        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert "trained with a global batch of 8 samples per step, this run takes 4" in result.stderr
-    assert "continues at sample 24 of epoch 0's order: no sample is repeated or skipped" in result.stderr
+    run_distributed(consumed_ids_rank, 2, args=(str(tmp_path), ["--train.max_steps=3", "--checkpoint.final=true"]))
+    resumed = ["--train.max_steps=8", "--checkpoint.resume=true"]
+    run_distributed(consumed_ids_rank, 1, args=(str(tmp_path), resumed))
+    log = capfd.readouterr().err
+    assert "trained with a global batch of 8 samples per step, this run takes 4" in log
+    assert "continues at sample 24 of epoch 0's order: no sample is repeated or skipped" in log
     first = [i for rank in (0, 1) for ids in _consumed(run_dir, rank)[0][:3] for i in ids]  # 3 steps × 4 per rank
     second = [i for ids in _consumed(run_dir, 0)[0][3:] for i in ids]  # rank 0 of the 1-process run
     epoch = first + second[:16]  # 40 samples: 24 before the resume, 16 after

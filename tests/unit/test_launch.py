@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
 
@@ -14,8 +15,12 @@ def test_single_node_uses_loopback_and_a_free_port() -> None:
     assert port > 0 and argv[-3:] == ["-m", "trainmesh", "gpt"]
 
 
-def test_auto_is_two_processes_without_gpus() -> None:
-    assert LaunchOptions(nproc_per_node="auto").nproc() == 2  # the test machine has no CUDA
+def test_auto_is_one_process_per_gpu_else_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert LaunchOptions(nproc_per_node="auto").nproc() == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert LaunchOptions(nproc_per_node="auto").nproc() == 8
 
 
 def test_static_multi_node() -> None:

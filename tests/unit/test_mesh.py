@@ -81,37 +81,62 @@ PP_INTERLEAVED = ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1
 
 
 @pytest.mark.parametrize(
-    ("overrides", "world", "message"),
-    [
-        (["--parallel.pp=4", "--parallel.pipeline.microbatches=2", "--model.n_layer=4"], 4, "microbatches=4"),
+    ("overrides", "world", "message", "fix"),
+    [  # the fix: what the message tells the user to do, as overrides (quoted in the message where it gives them)
+        (
+            ["--parallel.pp=4", "--parallel.pipeline.microbatches=2", "--model.n_layer=4"],
+            4,
+            "it needs a micro-batch per stage (4)",
+            ["--parallel.pipeline.microbatches=4"],
+        ),
         (
             [*PP_INTERLEAVED, "--parallel.pipeline.microbatches=5", "--model.n_layer=4"],
             2,
             "multiple of 2 (m // pp)",
+            ["--parallel.pipeline.microbatches=4"],
         ),
         (
             ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"],
             2,
             "model.n_layer=2 blocks cannot fill 4",
+            ["--model.n_layer=4"],
         ),
         (
             ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv_zero_bubble", "--model.n_layer=4"],
             4,
             "puts the first and the last stage on one rank",
+            ["--parallel.pipeline.schedule=interleaved_1f1b"],
         ),
-        (["--parallel.pp=2", "--parallel.strategy=fsdp", "--parallel.fsdp.cpu_offload=true"], 4, "cpu_offload"),
-        (["--parallel.tp=2", "--model.n_head=3", "--model.n_embd=48"], 2, "model.n_head=3 cannot be split evenly"),
-        (["--parallel.tp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"], 4, "shards nothing"),
+        (
+            ["--parallel.pp=2", "--parallel.strategy=fsdp", "--parallel.fsdp.cpu_offload=true"],
+            4,
+            "cpu_offload=true with parallel.pp=2",
+            ["--parallel.fsdp.cpu_offload=false"],
+        ),
+        (
+            ["--parallel.tp=2", "--model.n_head=3", "--model.n_embd=48"],
+            2,
+            "model.n_head=3 cannot be split evenly",
+            ["--model.n_head=4"],
+        ),
+        (
+            ["--parallel.tp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"],
+            4,
+            "shards nothing",
+            ["--parallel.dp_replicate=1", "--parallel.dp_shard=-1"],
+        ),
     ],
 )
-def test_model_parallel_settings_are_refused_before_launch(
-    tmp_path: Path, overrides: list[str], world: int, message: str
+def test_model_parallel_settings_are_refused_before_launch_and_the_fix_works(
+    tmp_path: Path, overrides: list[str], world: int, message: str, fix: list[str]
 ) -> None:
-    config = nano_config(tmp_path, "--train.micro_batch=8", "--train.global_batch=0", *overrides)
+    base = ["--train.micro_batch=8", "--train.global_batch=0"]
     with pytest.raises(ConfigError, match="Fix") as info:
-        validate(config, world)
+        validate(nano_config(tmp_path, *base, *overrides), world)
     assert message in str(info.value)
-    assert "--parallel.strategy=ddp" not in str(info.value) or "parallel.tp" not in " ".join(overrides)
+    if fix[0] in str(info.value):  # a fix given as a flag is given whole
+        assert all(f in str(info.value) for f in fix), str(info.value)
+    validate(nano_config(tmp_path, *base, *overrides, *fix), world)  # and it is a fix
 
 
 def test_the_resnet_recipe_refuses_tensor_parallelism_and_meta_builds() -> None:

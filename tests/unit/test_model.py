@@ -38,10 +38,16 @@ def test_gpt2_sizes_have_published_parameter_counts() -> None:
     assert SIZES["gpt2-medium"] == (24, 16, 1024) and SIZES["gpt2-large"] == (36, 20, 1280)
 
 
-def test_flops_per_token_formula() -> None:
-    model = _nano()
-    c = model.cfg
-    assert model.flops_per_token() == 6 * model.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * 16
+def test_flops_per_token_match_the_published_gpt2_figures() -> None:
+    """GPT-2 124M (vocabulary 50304, 1024 tokens): nanoGPT's estimate_mfu gives 855.4 MFLOPs per token and
+    Megatron-LM's formula 854.7 M; 6N alone (746.9 M) leaves out attention's 12·L·h·s."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(size="gpt2", block_size=1024, vocab_size=50304))
+    assert model.flops_per_token() == pytest.approx(855.4e6, rel=1e-3)
+    assert model.flops_per_token() == pytest.approx(854.7e6, rel=2e-3)
+    with torch.device("meta"):  # attention's share grows with the sequence: twice as many tokens of context
+        longer = GPT(GPTConfig(size="gpt2", block_size=2048, vocab_size=50304))
+    assert longer.flops_per_token() - model.flops_per_token() == pytest.approx(12 * 12 * 768 * 1024, rel=0.01)
 
 
 def test_residual_projections_use_scaled_init() -> None:

@@ -229,5 +229,6 @@ def set_deterministic(enabled: bool) -> None:
     """Deterministic kernels (bit-reproducible runs) at some speed cost."""
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    if enabled != torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: 0.6 s
+        torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.benchmark = not enabled

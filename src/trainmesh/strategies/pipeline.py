@@ -34,8 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -116,7 +114,7 @@ class PipelineStrategy(Strategy):
         else:  # rank r holds stages r, r+p, r+2p, ...
             self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp))
         self._stages: dict[int, nn.Module] = {}  # stage index -> its (wrapped) module, this rank's only
-        self.pipeline_stages: list[PipelineStage] = []
+        self.pipeline_stages: list[Any] = []
         """torch's PipelineStage objects of this rank, in stage order (e.g. to time their compute)."""
         self._schedule: Any = None
         self._step_losses: list[torch.Tensor] = []
@@ -177,6 +175,11 @@ class PipelineStrategy(Strategy):
         return held
 
     def _build_schedule(self) -> None:
+        # Imported here, where it is used: torch.distributed.pipelining imports torch._dynamo, about half a
+        # second that every process of a job without pipeline parallelism would spend for nothing.
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
         torch_name, per_rank, _ = SCHEDULES[self.options.schedule]
         group = self.mesh.pp_group if self.mesh else None
         stages = [PipelineStage(self._stages[i], i, self.num_stages, self.device, group=group) for i in self.stage_ids]

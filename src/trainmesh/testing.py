@@ -38,7 +38,7 @@ class DistributedTestError(RuntimeError):
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout_s: float = 60.0
+    fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout_s: float = 45.0
 ) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` ranks; returns each rank's result, in rank order."""
     ctx = _context()

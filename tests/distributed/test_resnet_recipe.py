@@ -33,6 +33,7 @@ TINY = [
     "--checkpoint.final=false",
     "--optim.warmup_steps=1",
     "--optim.lr=1e-3",
+    "--dist.timeout_s=20",  # a rank left waiting in a collective fails the test in seconds
 ]
 # As in test_parity: the reductions differ in order (all-reduce vs one batch), so equality holds to
 # fp32 rounding, amplified a little by Adam over 3 steps.

@@ -7,7 +7,15 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 NPROC ?= auto
 
-.PHONY: run test lint typecheck unit bench clean
+# gpu-check runs tests/gpu and the GPT-2 124M benchmark. GPU_PY is the Python whose PyTorch has CUDA: by
+# default the venv's; on a machine with CUDA PyTorch already installed and no network, `make gpu-check
+# GPU_PY=python3` installs this checkout (editable, no dependencies) into that Python instead, unless it
+# already imports trainmesh from here. Without CUDA the tests are
+# skipped and the benchmark runs a tiny CPU version, so the target works everywhere.
+GPU_PY ?= $(PY)
+GPU_OUT ?= runs/gpu-check
+
+.PHONY: run test lint typecheck unit bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +38,14 @@ test: lint typecheck
 
 bench: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
+
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)
+	$(GPU_PY) -c "import sys, trainmesh; sys.exit(not trainmesh.__file__.startswith('$(CURDIR)/src/'))" 2>/dev/null \
+		|| $(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	mkdir -p $(GPU_OUT)
+	$(GPU_PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'devices', torch.cuda.device_count())"
+	OMP_NUM_THREADS=4 $(GPU_PY) -m pytest -q -rs --durations=15 -p no:cacheprovider --timeout=300 tests/gpu $(GPU_TEST_ARGS)
+	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --json $(GPU_OUT)/gpu_gpt2.json $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

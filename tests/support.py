@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.validate import load_config
+from trainmesh.metrics.sinks import read_metrics
 from trainmesh.recipes.base import Recipe
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import IGNORE_INDEX
@@ -157,3 +158,18 @@ def descendants(pid: int) -> list[int]:
         found.append(todo.pop())
         todo.extend(children.get(found[-1], []))
     return found
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    """Validation losses in order, the untrained model's (step 0) first."""
+    return [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+
+
+def train_records(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def assert_learned(run_dir: Path, by: float) -> None:
+    untrained, *_, trained = val_losses(run_dir)
+    assert trained < untrained - by, (untrained, trained)
+    assert train_records(run_dir)[-1]["peak_mem_gb"] > 0

@@ -60,6 +60,7 @@ def build_runtime(config: Config) -> Runtime:
         mesh=mesh,
         pipeline=PipelineOptions(**config_to_dict(config.parallel.pipeline)),
         deterministic=config.run.deterministic,
+        tf32=config.train.tf32,
     )
 
 

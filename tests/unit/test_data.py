@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from support import nano_config, train_records
 from trainmesh.data.corpus import (
     BadShardError,
     check_token_range,
@@ -18,6 +19,7 @@ from trainmesh.data.corpus import (
 )
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import ByteTokenizer, get_tokenizer
+from trainmesh.worker import run_worker
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:
@@ -106,3 +108,13 @@ def test_text_that_is_not_utf8_is_trained_on_with_a_warning(tmp_path: Path, capl
         corpus = text_corpus([source], ByteTokenizer(), 0.25, tmp_path / "cache")
     assert "latin1.txt is not valid UTF-8 (first at byte 1 of 16000" in caplog.text
     assert corpus.train and corpus.val
+
+
+def test_loader_worker_processes_feed_the_same_batches(tmp_path: Path) -> None:
+    """data.num_workers > 0 (what GPU configs use, so loading overlaps the step) trains on the same samples in
+    the same order as loading in the training process: the same losses, step for step."""
+    for workers in (0, 2):
+        config = nano_config(tmp_path, f"--data.num_workers={workers}", f"--run.name=w{workers}")
+        run_worker(config, tmp_path / "runs" / f"w{workers}")
+    losses = [[r["loss"] for r in train_records(tmp_path / "runs" / f"w{w}")] for w in (0, 2)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
+from trainmesh.config.validate import load_config
 from trainmesh.precision import build_precision, check_precision_supported
 from trainmesh.precision.amp import ScaledMixedPrecision
+from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
 
@@ -52,3 +57,14 @@ def test_16_mixed_skips_an_overflowing_step_and_lowers_the_scale() -> None:
     fresh = build_precision("16-mixed", CPU)
     fresh.load_state_dict(state)
     assert isinstance(fresh, ScaledMixedPrecision) and fresh.scaler.get_scale() == precision.scaler.get_scale()
+
+
+def test_bf16_true_trains_on_float_inputs(tmp_path: Path) -> None:
+    """bf16-true has no autocast: the ResNet recipe's float32 images are cast to the bf16 model's dtype as
+    they enter it (found on an H100: "Input type (FloatTensor) and weight type (BFloat16) ...")."""
+    tiny = ["--model.width=4", "--model.image_size=16", "--train.max_steps=3", "--train.eval_samples=32"]
+    tiny += ["--run.progress=false", "--checkpoint.final=false", f"--run.out_dir={tmp_path}", "--run.name=b"]
+    config = load_config(None, [*tiny, "--train.precision=bf16-true"], "resnet")
+    result = run_worker(config, tmp_path / "b")
+    assert result.steps == 3 and math.isfinite(result.val_loss)
+    assert {p.dtype for p in result.model.parameters()} == {torch.bfloat16}

@@ -3,9 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainmesh.recipes.gpt.model import GPT, GPTConfig
 from trainmesh.runtime.dist import select_backend, select_device
 from trainmesh.runtime.env import DistEnv
-from trainmesh.strategies import build_strategy, resolve_parallelism
+from trainmesh.strategies import BlockOptions, build_strategy, resolve_parallelism
+from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.fsdp import FSDPStrategy
 
 SINGLE = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "single")
 TWO = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
@@ -49,3 +52,18 @@ def test_cuda_requested_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_data_parallel_with_several_processes_is_a_config_error() -> None:
     with pytest.raises(ValueError, match=r"strategy='dp' drives all local GPUs from ONE process.*world size is 2"):
         resolve_parallelism("dp", 2)
+
+
+def _compiled(model: torch.nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+
+
+def test_compile_makes_one_graph_of_a_whole_model_and_one_per_block_where_blocks_are_sharded() -> None:
+    """One graph where nothing is sharded: per-block graphs left the head and loss eager and cost a GPT-2 step
+    a third of its speed on an H100 (BENCHMARKS.md). FSDP shards by block, so it keeps one graph per block."""
+    compile_blocks = BlockOptions(compile=True)
+    single = build_strategy("single", SINGLE, CPU, blocks=compile_blocks)
+    assert single.compiles_whole_model
+    assert _compiled(single.setup_module(GPT(GPTConfig(size="nano", vocab_size=256)))) == [""]
+    assert build_strategy("ddp", SINGLE, CPU, blocks=compile_blocks).compiles_whole_model
+    assert FSDPStrategy.compiles_whole_model is Strategy.compiles_whole_model  # False: fsdp keeps one per block

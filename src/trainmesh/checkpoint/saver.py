@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
+from torch.torch_version import TorchVersion
 
 from trainmesh.checkpoint.catalog import (
     CheckpointCollisionError,
@@ -63,6 +64,12 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_MESSAGE = "No space left on device"
 
 
+# Before torch 2.13, DefaultStager empties its copier table after every stage, so a second save through the same
+# stager fails with KeyError: <class 'type'> on any non-tensor value in the state (found on an H100 with torch
+# 2.11; tests/unit/test_async_checkpoint.py). There, each save gets its own stager, closed once it is committed.
+FRESH_STAGER_PER_SAVE = TorchVersion(torch.__version__) < "2.13"
+
+
 class CheckpointWriteError(UserError, RuntimeError):
     """A checkpoint could not be written; raised on every rank alike. Older checkpoints are intact."""
 
@@ -89,10 +96,8 @@ class Checkpointer:
         self.background = background
         self._group: ProcessGroup | None = runtime.new_group() if background else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainmesh-checkpoint") if background else None
-        # Kept across saves: it reuses its CPU copies of the same tensors (pinned for GPUs), so staging is
-        # a memory copy, not fresh allocations page-faulted in each time.
-        pinned = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(pinned, False, False, False)) if background else None
+        self._pinned = torch.cuda.is_available()  # stage GPU tensors into pinned CPU memory (fast copies)
+        self._stager: DefaultStager | None = None
         self._pending: Future[None] | None = None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
@@ -114,6 +119,8 @@ class Checkpointer:
             self._complete(job)
             return final
         with single_process_quiet():  # copies to CPU memory now; writes in DCP's thread
+            if self._stager is None:  # kept across saves: it reuses its (pinned) CPU copies of the same tensors
+                self._stager = DefaultStager(StagingOptions(self._pinned, False, False, False))
             written = dcp.async_save(
                 tensors, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager
             )
@@ -133,15 +140,23 @@ class Checkpointer:
     def wait(self) -> None:
         """Until the save in flight is committed (re-raising its error, on every rank alike)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        try:
+            if pending is not None:
+                pending.result()
+        finally:
+            if FRESH_STAGER_PER_SAVE:
+                self._close_stager()
 
     def close(self) -> None:
         self.wait()
+        self._close_stager()
         if self._executor is not None:
             self._executor.shutdown()
-        if self._stager is not None:
-            self._stager.close()
+
+    def _close_stager(self) -> None:
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
 
     def _complete(self, job: _Save) -> None:
         """Steps 2-4 of the module docstring (in the background thread for async saves)."""

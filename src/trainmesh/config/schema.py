@@ -167,7 +167,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     compile: bool = False
-    """torch.compile each block of the model (the whole model when it has no blocks)."""
+    """torch.compile the model and the loss: the whole model as one graph under single and ddp, each block
+    under fsdp, tensor and pipeline parallelism (where blocks are sharded or split across ranks)."""
+    tf32: bool = True
+    """CUDA: let float32 matmuls and convolutions use TF32 tensor cores (about 8x the fp32 rate, 10-bit mantissa
+    products); false: full fp32. Affects 32-true and the fp32 parts of mixed precision."""
     nonfinite: str = "abort"
     """A NaN/inf gradient: abort (before the optimizer step, naming step and ranks) | skip (all ranks skip the step)."""
     max_skipped_steps: int = 5
@@ -273,6 +277,52 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Record torch.profiler traces (CPU ops, CUDA kernels) into <run>/profile/rank_<r>/ for Perfetto or TensorBoard."""
+    wait: int = 5
+    """Optimizer steps skipped before each recording cycle (start-up and compilation are not typical steps)."""
+    warmup: int = 2
+    """Steps the profiler runs but discards at the start of each cycle (its own start-up cost)."""
+    active: int = 3
+    """Steps recorded per cycle."""
+    repeat: int = 1
+    """Recording cycles (0: cycle until training ends, a trace every wait + warmup + active steps)."""
+    ranks: str = "0"
+    """Ranks that record: comma-separated ranks (e.g. 0,8) | all."""
+    record_shapes: bool = False
+    """Record the input shapes of every operator (larger traces)."""
+    profile_memory: bool = False
+    """Record tensor allocations and frees."""
+    with_stack: bool = False
+    """Record the Python source line of every operator (larger traces, more overhead)."""
+    nvtx: bool = False
+    """CUDA: mark the phases of each step (data, forward_backward, optimizer, log) as NVTX ranges for Nsight
+    Systems (nsys profile ...), whether or not enabled is set."""
+    oom_snapshot: bool = False
+    """CUDA: record the allocation history and, on out-of-memory, write <run>/memory/oom_rank_<r>.pickle for
+    https://pytorch.org/memory_viz (costs a little time per allocation)."""
+
+    def __post_init__(self) -> None:
+        for key in ("wait", "warmup", "repeat"):
+            _at_least(f"profile.{key}", getattr(self, key), 0)
+        _at_least("profile.active", self.active, 1)
+        profiled_ranks(self.ranks)  # raises on a malformed list
+
+
+def profiled_ranks(text: str) -> frozenset[int] | None:
+    """The ranks named by profile.ranks; None: all of them."""
+    if text.strip() == "all":
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"profile.ranks={text!r} is not a rank list: give comma-separated ranks (e.g. 0 or 0,8) or all"
+        )
+    return frozenset(int(p) for p in parts)
+
+
+@dataclass
 class SampleConfig:
     prompt: str = "def "
     """Text the model continues after training (generative recipes)."""
@@ -305,4 +355,5 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

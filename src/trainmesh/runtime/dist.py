@@ -232,3 +232,11 @@ def set_deterministic(enabled: bool) -> None:
     if enabled != torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: 0.6 s
         torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.benchmark = not enabled
+
+
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """On CUDA, let float32 matmuls (torch.set_float32_matmul_precision "high") and cuDNN convolutions use
+    TF32 tensor cores. A process-wide setting; other devices are left as they are."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        torch.backends.cudnn.allow_tf32 = enabled

@@ -30,6 +30,7 @@ from trainmesh.runtime.dist import (
     select_backend,
     select_device,
     set_deterministic,
+    set_tf32,
     teardown,
 )
 from trainmesh.runtime.env import DistEnv
@@ -91,6 +92,7 @@ class Runtime:
         mesh: MeshShape | None = None,
         pipeline: PipelineOptions | None = None,
         deterministic: bool = False,
+        tf32: bool | None = None,
         env: DistEnv | None = None,
     ) -> None:
         self.env = env or DistEnv.from_environ()
@@ -113,6 +115,10 @@ class Runtime:
             strategy, self.env, self.device, ddp, fsdp, blocks, mesh, self.precision.gather_dtype, pipeline
         )
         set_deterministic(deterministic)
+        if tf32 is not None:  # None: leave the process's setting as it is
+            set_tf32(self.device, tf32)
+        self.tf32 = self.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+        """Whether float32 matmuls run on TF32 tensor cores here (it sets the MFU peak)."""
         if seed is not None:
             seed_everything(seed)
 
@@ -167,7 +173,8 @@ class Runtime:
         plan: ParallelPlan | None = None,
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
         """Cast for the precision, place and wrap for the strategy. `plan`: the model's blocks
-        (checkpointed, compiled and sharded one by one; default: the modules in its nn.ModuleLists) and
+        (checkpointed and sharded one by one, compiled one by one where sharded; default: the modules in its
+        nn.ModuleLists) and
         its tensor-parallel and pipeline plans (strategies/plan.py).
 
         Parameters are moved in place, so an optimizer built before or after `setup` both work, except
@@ -268,12 +275,12 @@ class Runtime:
 
     def all_reduce_async(self, values: list[float], op: ReduceOp = "sum") -> PendingReduce:
         """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute)."""
-        tensor = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32)
-        tensor = tensor.to(self.device)
-        work = None
-        if self._has_group and self.world_size > 1:
-            work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
-        return PendingReduce(tensor, work, self.world_size if op == "mean" and work else 1)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        if not (self._has_group and self.world_size > 1):  # nothing to reduce: no trip through the device,
+            return PendingReduce(tensor, None, 1)  # whose read-back would wait for the queued GPU work
+        tensor = tensor.to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32)
+        work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
+        return PendingReduce(tensor, work, self.world_size if op == "mean" else 1)
 
     # `group`: another group of all ranks, e.g. one that a background thread uses while training runs.
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -118,13 +118,25 @@ class Strategy(ABC):
             if not on_meta:
                 module.to(self.device)
             plan.tensor_parallel(module, tp_mesh)
-        transform_blocks(module, blocks, self.block_options)
+        whole = self.block_options.compile and self.compiles_whole_model
+        transform_blocks(module, blocks, replace(self.block_options, compile=self.block_options.compile and not whole))
+        if whole:
+            # In place (names and state-dict keys stay), and inside the wrapper, so that evaluation and sampling,
+            # which run the unwrapped model, are compiled too; DDP's graph splitting at its buckets still applies.
+            module.compile()
         if on_meta and not self.shards_parameters:  # DDP broadcasts real weights when it wraps
             self._materialize(module, plan)
         wrapped = self.wrap(module, blocks)
         if on_meta and self.shards_parameters:  # storage for this rank's shards only
             self._materialize(module, plan)
         return wrapped
+
+    @property
+    def compiles_whole_model(self) -> bool:
+        """Whether train.compile compiles the wrapped model as one graph (fewer launches and host work per
+        step; under DDP, torch's DDPOptimizer still cuts it at the gradient buckets so communication overlaps
+        backward) rather than each block (needed where blocks are sharded or split across ranks)."""
+        return False
 
     @property
     def shards_parameters(self) -> bool:

@@ -21,7 +21,8 @@ class BlockOptions:
     activation_checkpointing: int = 0
     """Recompute every k-th block's activations in backward instead of storing them (1: all; 0: none)."""
     compile: bool = False
-    """torch.compile each block (its own graph, so sharding can overlap between blocks)."""
+    """torch.compile: each block (its own graph, so sharding can overlap between blocks) where the strategy
+    shards or splits blocks, else the whole model (Strategy.compiles_whole_model)."""
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:

@@ -59,6 +59,10 @@ class DDPStrategy(Strategy):
         self.options = options
 
     @property
+    def compiles_whole_model(self) -> bool:
+        return self.mesh is None  # replicas of a pipeline stage or tensor-parallel shards compile block by block
+
+    @property
     def dp_size(self) -> int:
         return self.mesh.shape.dp_size if self.mesh else self.env.world_size
 

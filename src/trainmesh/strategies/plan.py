@@ -2,7 +2,8 @@
 
 Model code knows nothing of parallelism. The recipe describes, from outside, how its model is cut:
 
-    blocks           the repeated units, checkpointed, compiled and sharded one by one
+    blocks           the repeated units, checkpointed and sharded one by one (and compiled one by one
+                     where they are sharded or split across ranks; else the model compiles whole)
     tensor_parallel  a function that turns the weights of one model (or pipeline stage) into
                      tensor-parallel DTensors on a 1-D mesh (e.g. recipes/gpt/parallel.py)
     pipeline_stage   a function that builds pipeline stage `i` of `n` as a module that shares the

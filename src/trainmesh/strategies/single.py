@@ -11,6 +11,10 @@ from trainmesh.strategies.base import Strategy
 class SingleDeviceStrategy(Strategy):
     name = "single"
 
+    @property
+    def compiles_whole_model(self) -> bool:
+        return self.mesh is None  # pipeline stages and tensor-parallel blocks compile one by one
+
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         del blocks
         return module.to(self.device)

@@ -33,6 +33,7 @@ from trainmesh.config.schema import Config, TrainConfig
 from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro_batches, position_at_step
 from trainmesh.faults import maybe_inject, poison_loss
 from trainmesh.metrics.mfu import Peak, device_peak, mfu
+from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.recipes.base import Recipe
@@ -72,9 +73,24 @@ def train(
     watchdog: StallWatchdog | None = None,
 ) -> TrainResult:
     """Train to `train.max_steps`, or until `preemption` reports SIGTERM or Ctrl-C (then: checkpoint and stop).
-    Each finished step, evaluation and checkpoint is reported to `watchdog`."""
+    Each finished step, evaluation and checkpoint is reported to `watchdog`. The [profile] section's
+    traces record the steps it schedules; its out-of-memory snapshot covers everything from the model's
+    construction on."""
     preemption = preemption or PreemptionWatch()  # not installed: never requested
     watchdog = watchdog or StallWatchdog.off()
+    with StepProfiler(config.profile, run_dir, runtime.rank, runtime.device) as profiler:
+        return _train(config, recipe, runtime, run_dir, preemption, watchdog, profiler)
+
+
+def _train(
+    config: Config,
+    recipe: Recipe,
+    runtime: Runtime,
+    run_dir: Path,
+    preemption: PreemptionWatch,
+    watchdog: StallWatchdog,
+    profiler: StepProfiler,
+) -> TrainResult:
     tcfg = config.train
     if runtime.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +140,7 @@ def train(
     )
     eval_ids = eval_micro_batches(n_val, tcfg.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
     writer = runtime.on_main(lambda: MetricsWriter(run_dir))  # rank 0's; a failure to open it stops every rank
-    peak = device_peak(runtime.device, runtime.precision.compute_dtype)
+    peak = device_peak(runtime.device, runtime.precision.compute_dtype, runtime.tf32)
     if runtime.is_main_process:
         log.info(
             "%s; %d steps/epoch; %s parameters",
@@ -136,6 +152,8 @@ def train(
             log.info("MFU: %s", peak.describe())
 
     objective = recipe.objective()
+    if tcfg.compile:  # the loss too: fused with its fp32 upcast, the logits' softmax is no longer a memory pass
+        objective = replace(objective, loss=torch.compile(objective.loss))
 
     def evaluate() -> float:
         val_loss, val_extra = _evaluate(model, val_set, eval_ids, recipe, runtime)
@@ -168,8 +186,9 @@ def train(
         lr = lr_at(step, config.optim, tcfg.max_steps)
         set_lr(optimizer, lr)
 
-        maybe_inject(step + 1, "data", runtime.rank, run_dir)  # test hook: a stuck data loader
-        micro_batches = [next(data) for _ in range(plan.accum_steps)]
+        with profiler.phase("data"):
+            maybe_inject(step + 1, "data", runtime.rank, run_dir)  # test hook: a stuck data loader
+            micro_batches = [next(data) for _ in range(plan.accum_steps)]
         # Counted on the CPU, once per model replica (pipeline and tensor-parallel peers read the same batch).
         local_targets = sum(recipe.count_targets(mb) for mb in micro_batches) if runtime.owns_loss else 0
         # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
@@ -182,24 +201,26 @@ def train(
             return loss_scale(reduced.result()[0], runtime.dp_size)
 
         step_loss = torch.zeros((), dtype=torch.float64, device=runtime.device)  # this rank's summed loss
-        for i, batch in enumerate(micro_batches):
-            last = i == plan.accum_steps - 1
-            with runtime.no_sync(model, enabled=not last):
-                step_loss += runtime.forward_backward(model, runtime.to_device(batch), step_objective, scale)
+        with profiler.phase("forward_backward"):
+            for i, batch in enumerate(micro_batches):
+                last = i == plan.accum_steps - 1
+                with runtime.no_sync(model, enabled=not last):
+                    step_loss += runtime.forward_backward(model, runtime.to_device(batch), step_objective, scale)
 
-        grad_norm = runtime.clip_grad_norm(model, optimizer, tcfg.grad_clip)
-        # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
-        if math.isfinite(float(grad_norm)) or runtime.precision.scales_loss:
-            stepped = runtime.step(optimizer)  # a GradScaler skips an overflowing step and lowers its scale
-        else:
-            stepped = _nonfinite(step + 1, step_loss, tcfg, runtime)  # abort raises; skip returns False
+        with profiler.phase("optimizer"):
+            grad_norm = runtime.clip_grad_norm(model, optimizer, tcfg.grad_clip)
+            # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
+            if math.isfinite(float(grad_norm)) or runtime.precision.scales_loss:
+                stepped = runtime.step(optimizer)  # a GradScaler skips an overflowing step and lowers its scale
+            else:
+                stepped = _nonfinite(step + 1, step_loss, tcfg, runtime)  # abort raises; skip returns False
+            optimizer.zero_grad(set_to_none=True)
         skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         skipped += not stepped
         if skipped_in_a_row > tcfg.max_skipped_steps:
             raise NonFiniteError(
                 f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}"
             )
-        optimizer.zero_grad(set_to_none=True)
 
         state.step = step + 1
         state.samples_seen += plan.global_batch
@@ -212,26 +233,28 @@ def train(
         window_steps += 1
 
         if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or stop_votes:
-            # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
-            window_sum = float(runtime.all_reduce(window_loss, "sum"))
-            train_loss = window_sum / window_targets if window_targets else math.nan
-            now = time.perf_counter()  # logging below is timed into the next window, like any step cost
-            elapsed = now - window_start
-            tokens_per_s = plan.tokens_per_step * window_steps / elapsed if plan.tokens_per_sample else None
-            metrics = {
-                "loss": train_loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "step_time_ms": 1000 * elapsed / window_steps,
-                "samples_per_s": plan.global_batch * window_steps / elapsed,
-                "skipped_steps": skipped,
-            }
-            metrics.update(_throughput_metrics(tokens_per_s, flops_per_token, peak, runtime))
-            if writer:
-                writer.write(state.step, metrics)
-            progress.update(state.step, train_loss, lr, tokens_per_s)
-            window_loss.zero_()
-            window_targets, window_steps, window_start = 0.0, 0, now
+            with profiler.phase("log"):
+                # The only per-window synchronisation: the loss summed over ranks / targets over ranks.
+                window_sum = float(runtime.all_reduce(window_loss, "sum"))
+                train_loss = window_sum / window_targets if window_targets else math.nan
+                now = time.perf_counter()  # logging below is timed into the next window, like any step cost
+                elapsed = now - window_start
+                tokens_per_s = plan.tokens_per_step * window_steps / elapsed if plan.tokens_per_sample else None
+                metrics = {
+                    "loss": train_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "step_time_ms": 1000 * elapsed / window_steps,
+                    "samples_per_s": plan.global_batch * window_steps / elapsed,
+                    "skipped_steps": skipped,
+                }
+                metrics.update(_throughput_metrics(tokens_per_s, flops_per_token, peak, runtime))
+                if writer:
+                    writer.write(state.step, metrics)
+                progress.update(state.step, train_loss, lr, tokens_per_s)
+                window_loss.zero_()
+                window_targets, window_steps, window_start = 0.0, 0, now
+        profiler.step()
 
         pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
         if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:

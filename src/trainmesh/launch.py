@@ -60,6 +60,8 @@ class LaunchOptions:
     """How long the nodes may take to meet (rendezvous) before the launch fails."""
     rdzv_conf: str | None = None
     """More c10d rendezvous settings, KEY=VALUE[,KEY=VALUE] (torchrun's --rdzv-conf), e.g. last_call_timeout=5."""
+    standalone: bool = False
+    """torchrun's --standalone: one node meeting on loopback at a free port (trainmesh's default anyway)."""
 
     def nproc(self) -> int:
         if self.nproc_per_node == "auto":
@@ -97,6 +99,38 @@ class LaunchOptions:
             return None
         return self.rendezvous_id() or f"{self.master_addr}-{self.master_port}".replace(".", "-")
 
+    def check(self) -> None:
+        """Refuse options that cannot launch, naming the flag; before anything is started or written."""
+        self.nproc()
+        self.node_bounds()
+        if self.standalone and (self.multi_node or self.rdzv_endpoint or self.master_addr):
+            raise LaunchError(
+                f"--standalone is for one node, but --nnodes={self.nnodes}"
+                f"{', --rdzv-endpoint' if self.rdzv_endpoint else ''}{', --master-addr' if self.master_addr else ''} "
+                "ask for a rendezvous between nodes. Fix: drop --standalone (or the multi-node flags)."
+            )
+        if self.join_timeout_s < 1:
+            raise LaunchError(f"--join-timeout={self.join_timeout_s}: must be at least 1 (seconds)")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise LaunchError(f"--rdzv-endpoint={self.rdzv_endpoint!r}: expected HOST:PORT")
+            check_resolvable(host, "--rdzv-endpoint")
+            _rdzv_conf(self.rdzv_conf)
+        elif self.rdzv_conf:
+            raise LaunchError(f"--rdzv-conf={self.rdzv_conf!r} needs --rdzv-endpoint HOST:PORT (c10d rendezvous)")
+        elif self.multi_node:
+            if not self.master_addr or not self.master_port:
+                raise LaunchError(
+                    f"--nnodes={self.nnodes} needs --master-addr and --master-port (static rendezvous: every node "
+                    "passes the same address of node 0 and its own --node-rank) or --rdzv-endpoint HOST:PORT."
+                )
+            if ":" in self.nnodes:
+                raise LaunchError(
+                    f"--nnodes={self.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT, not --master-addr"
+                )
+            check_resolvable(self.master_addr, "--master-addr")
+
     def rendezvous_id(self) -> str | None:
         """The c10d job id: given, or derived from the endpoint every node was told (so they agree)."""
         if not self.rdzv_endpoint:
@@ -106,35 +140,18 @@ class LaunchOptions:
 
 def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[str]:
     """The torchrun command line for `entry` (a module and its args when `module`, else a script)."""
-    nproc = opts.nproc()
-    opts.node_bounds()  # validates --nnodes
-    argv = [f"--nproc-per-node={nproc}", f"--nnodes={opts.nnodes}", f"--max-restarts={opts.max_restarts}"]
-    if opts.join_timeout_s < 1:
-        raise LaunchError(f"--join-timeout={opts.join_timeout_s}: must be at least 1 (seconds)")
+    opts.check()
+    argv = [f"--nproc-per-node={opts.nproc()}", f"--nnodes={opts.nnodes}", f"--max-restarts={opts.max_restarts}"]
     if opts.rdzv_endpoint:
-        host, _, port = opts.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise LaunchError(f"--rdzv-endpoint={opts.rdzv_endpoint!r}: expected HOST:PORT")
-        check_resolvable(host, "--rdzv-endpoint")
         argv += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
             f"--rdzv-id={opts.rendezvous_id()}",
             f"--rdzv-conf={','.join([f'join_timeout={opts.join_timeout_s}', *_rdzv_conf(opts.rdzv_conf)])}",
         ]
-        if is_loopback(host):
+        if is_loopback(opts.rdzv_endpoint.rpartition(":")[0]):
             argv.append("--local-addr=127.0.0.1")  # workers then meet on loopback too
-    elif opts.rdzv_conf:
-        raise LaunchError(f"--rdzv-conf={opts.rdzv_conf!r} needs --rdzv-endpoint HOST:PORT (c10d rendezvous)")
     elif opts.multi_node:
-        if not opts.master_addr or not opts.master_port:
-            raise LaunchError(
-                f"--nnodes={opts.nnodes} needs --master-addr and --master-port (static rendezvous: every node "
-                "passes the same address of node 0 and its own --node-rank) or --rdzv-endpoint HOST:PORT."
-            )
-        if ":" in opts.nnodes:
-            raise LaunchError(f"--nnodes={opts.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT, not --master-addr")
-        check_resolvable(opts.master_addr, "--master-addr")
         argv += [
             f"--node-rank={opts.node_rank}",
             f"--master-addr={opts.master_addr}",

@@ -155,9 +155,11 @@ def test_config_errors_stop_before_any_process_starts(
 
 
 def test_a_rank_that_fails_on_bad_input_says_what_to_fix_without_a_traceback(tmp_path: Path) -> None:
-    result = _run_gpt(tmp_path, "--", "--data.source=/no/such/corpus.txt")
+    """A shard folder without shards exists (so the launcher lets it through) but cannot be read."""
+    (tmp_path / "shards").mkdir()
+    result = _run_gpt(tmp_path, "--", f"--data.source={tmp_path / 'shards'}")
     assert result.returncode == 2
-    said = re.findall(r"\[rank(\d)\] ERROR data.source='/no/such/corpus.txt' is neither 'embedded'", result.stderr)
+    said = re.findall(r"\[rank(\d)\] ERROR data.source='[^']*shards': a shard folder needs", result.stderr)
     assert sorted(said) == ["0", "1"], result.stderr[-3000:]  # rank 1 learns it from rank 0, which prepares the data
     assert "Fix: --data.source=" in result.stderr and "Traceback" not in result.stderr
     assert re.search(r"rank \d failed first: exit code 2: a problem with the config, the inputs", result.stderr)
@@ -169,7 +171,8 @@ def test_env_and_check_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     out = capsys.readouterr().out
     assert "gloo  yes" in out and "RANK=3" in out
     gpt2 = str(ROOT / "configs" / "gpt2-124m.toml")
-    assert main(["check", "gpt", "--config", gpt2, "--nproc-per-node", "8", "--nnodes", "1:2"]) == 0
+    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400"]
+    assert main(["check", "gpt", "--config", gpt2, "--nproc-per-node", "8", *elastic]) == 0
     out = capsys.readouterr().out
     assert "world size 8: OK" in out and "world size 16: OK" in out
 

@@ -66,3 +66,19 @@ def test_loss_scale_gives_the_global_mean_gradient() -> None:
     torch.testing.assert_close(sum(per_rank) / dp, ref)
     with pytest.raises(ValueError, match="no targets"):
         loss_scale(0, 1)
+
+
+def test_an_elastic_range_gets_a_fix_that_divides_at_every_size() -> None:
+    """--nnodes 1:3 with 8 GPUs per node: data-parallel sizes 8, 16, 24. The fix suggested for one size used
+    to fail at the next; the suggestion must split at all of them."""
+    train = TrainConfig(micro_batch=16, global_batch_tokens=524288)
+    sizes = (8, 16, 24)
+    with pytest.raises(BatchMathError) as info:
+        for dp in sizes:
+            BatchPlan.derive(train, dp, 1024, sizes)
+    message = str(info.value)
+    assert "multiple of 786432 tokens at every data-parallel size this job may run at (8, 16, 24)" in message
+    for suggested in (786432, 1572864):
+        assert f"{suggested}" in message
+        fixed = TrainConfig(micro_batch=16, global_batch_tokens=suggested)
+        assert all(BatchPlan.derive(fixed, dp, 1024, sizes).accum_steps >= 1 for dp in sizes)

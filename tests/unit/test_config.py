@@ -98,3 +98,29 @@ def test_derived_values_are_filled_in_at_load_time(tmp_path: Path) -> None:
     assert load_config(None, ["--model.vocab_size=300"], "gpt").model.vocab_size == 300  # type: ignore[attr-defined]
     shards = load_config(None, [f"--data.source={tmp_path}"], "gpt")  # a folder of shards: the config must say
     assert shards.model.vocab_size == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "odd", ["a\rb", "tab\there", "bell\x07", "nul\x00", 'quote"back\\slash', "é ü 中文", "\x7f", "\u2028"]
+)
+def test_the_written_config_reads_back_whatever_the_strings_hold(tmp_path: Path, odd: str) -> None:
+    """A prompt with \\r or another control character once made a config.toml no worker could read."""
+    config = load_config(None, [], "gpt")
+    config.sample.prompt = odd
+    path = tmp_path / "config.toml"
+    path.write_text(dump_toml(config_to_dict(config)))
+    assert load_config(path, [], "gpt").sample.prompt == odd
+
+
+def test_an_error_in_a_config_file_names_the_file_and_one_from_a_flag_names_the_flag(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text('[optim]\nlr = "fast"\n')
+    with pytest.raises(ConfigError, match=r"^config file '.*exp.toml': config key 'optim.lr' expects a number"):
+        load_config(path, [], "gpt")
+    with pytest.raises(
+        ConfigError, match=r"expects a number, got 'quick' \(str\) \(set on the command line: --optim.lr"
+    ):
+        load_config(path, ["--optim.lr=quick"], "gpt")
+    path.write_text("[train]\nmicro_batchh = 4\n")
+    with pytest.raises(ConfigError, match=r"^config file '.*exp.toml': unknown config key 'train.micro_batchh'"):
+        load_config(path, [], "gpt")

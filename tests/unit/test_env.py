@@ -56,3 +56,9 @@ def test_slurm_nodelist_expansion() -> None:
     assert expand_slurm_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     assert expand_slurm_nodelist("node5") == ["node5"]
     assert expand_slurm_nodelist("a[9-11]") == ["a9", "a10", "a11"]
+    # Text after a bracket, and several brackets: these used to expand wrongly (a wrong master address).
+    assert expand_slurm_nodelist("gpu-[1-2]-ib") == ["gpu-1-ib", "gpu-2-ib"]
+    assert expand_slurm_nodelist("rack[1-2]-node[1-2]") == ["rack1-node1", "rack1-node2", "rack2-node1", "rack2-node2"]
+    assert expand_slurm_nodelist("b[2,1],a") == ["b2", "b1", "a"]  # SLURM's order, not sorted
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST='gpu\\[1-' is not a SLURM host list"):
+        expand_slurm_nodelist("gpu[1-")

@@ -55,6 +55,30 @@ def test_a_bad_run_id_or_a_missing_run_is_refused_before_anything_is_written(
     assert "'optim.lr' must be a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_launch_flags_that_cannot_work_are_refused_by_run_and_check_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """--nnodes 2 without a rendezvous address once left runs/gpt-None-None/ behind, and check said OK."""
+    out = tmp_path / "runs"
+    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--", f"--run.out_dir={out}"]
+    assert main([command, "gpt", *flags]) == 2
+    assert "--nnodes=2 needs --master-addr and --master-port" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("command", "recipe"), [("run", "gpt"), ("check", "gpt"), ("run", "resnet")])
+def test_a_data_source_that_does_not_exist_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, recipe: str
+) -> None:
+    """It used to pass `check` and fail only inside the workers, after the launch."""
+    out = tmp_path / "runs"
+    flags = ["--nproc-per-node", "1", "--", f"--run.out_dir={out}", f"--data.source={tmp_path / 'nope'}"]
+    assert main([command, recipe, *flags]) == 2
+    assert f"data.source='{tmp_path / 'nope'}' does not exist on this machine" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_default_names_are_unique_within_a_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     class Frozen(dt.datetime):
         @classmethod
@@ -251,3 +275,11 @@ def test_a_pid_from_the_store_is_killed_only_if_it_is_a_worker_of_this_job() -> 
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_torchrun_spellings_of_the_launch_flags_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "gpt", "--nproc_per_node", "3", "--standalone", "--max_restarts", "1"]) == 0
+    assert "world size 3: OK" in capsys.readouterr().out
+    multi = ["--standalone", "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29500"]
+    assert main(["check", "gpt", "--nproc_per_node", "1", *multi]) == 2
+    assert "--standalone is for one node" in capsys.readouterr().err

@@ -15,6 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from trainmesh.config.schema import Config, ModelConfig
 from trainmesh.runtime.errors import UserError
 
@@ -77,31 +79,13 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def dump_toml(data: dict[str, Any]) -> str:
-    """Write a nested dict of scalars as TOML (sections and sub-sections as [a.b] tables)."""
-    lines: list[str] = []
-
-    def emit(table: dict[str, Any], name: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
-        if name:
-            lines.append(f"\n[{name}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in scalars.items() if value is not None)
-        for key, value in table.items():
-            if isinstance(value, dict):
-                emit(value, f"{name}.{key}" if name else key)
-
-    emit(data, "")
-    return "\n".join(lines).lstrip("\n") + "\n"
+    """A nested dict of scalars as TOML (sections and sub-sections as [a.b] tables), through tomli-w, which
+    escapes every string per the TOML spec (control characters included). None values are left out."""
+    return tomli_w.dumps(_without_none(data))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
+def _without_none(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
 
 
 def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:

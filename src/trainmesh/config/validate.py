@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from trainmesh.config.loader import ConfigError, build_config, config_to_dict, load_toml, merge_overrides
+from trainmesh.config.loader import (
+    ConfigError,
+    build_config,
+    config_to_dict,
+    load_toml,
+    merge_overrides,
+    parse_override,
+)
 from trainmesh.config.schema import Config
 from trainmesh.recipes import get_recipe
 from trainmesh.strategies import MeshShape, PipelineOptions, resolve_parallelism
@@ -14,8 +24,8 @@ from trainmesh.train.batch import BatchMathError, BatchPlan
 
 def load_config(path: str | Path | None, overrides: list[str], recipe: str | None = None) -> Config:
     """Defaults < TOML file < overrides; `recipe` (from the command line) must agree with run.recipe."""
-    data = load_toml(path) if path else {}
-    data = merge_overrides(data, overrides)
+    in_toml = load_toml(path) if path else {}
+    data = merge_overrides(in_toml, overrides)
     in_file = data.get("run", {}).get("recipe")
     if recipe and in_file and in_file != recipe:
         raise ConfigError(
@@ -28,11 +38,27 @@ def load_config(path: str | Path | None, overrides: list[str], recipe: str | Non
         chosen = get_recipe(name)
         config = build_config(data, chosen.model_config_cls)
         chosen.complete_config(config)
-    except ConfigError:
-        raise
-    except ValueError as e:  # unknown recipe or tokenizer
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # a key's value, an unknown key, recipe or tokenizer
+        keys_set_here = [parse_override(o)[0] for o in overrides]
+        raise ConfigError(_with_origin(str(e), path, _dotted_keys(in_toml), keys_set_here)) from None
     return config
+
+
+def _with_origin(message: str, path: str | Path | None, file_keys: set[str], override_keys: list[str]) -> str:
+    """`message`, saying where the key it names was set: the config file, or an override on the command line."""
+    for key in re.findall(r"\b[a-z_0-9]+(?:\.[a-z_0-9]+)+\b", message):
+        if key in override_keys:
+            return f"{message} (set on the command line: --{key}=...)"
+        if key in file_keys:
+            return f"config file {str(path)!r}: {message}"
+    return message
+
+
+def _dotted_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in table.items():
+        keys |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
 
 
 def parallel_layout(config: Config, world_size: int) -> tuple[str, MeshShape]:
@@ -43,8 +69,9 @@ def parallel_layout(config: Config, world_size: int) -> tuple[str, MeshShape]:
     )
 
 
-def validate(config: Config, world_size: int) -> BatchPlan:
-    """Cross-section checks for a given world size; returns the batch plan they imply."""
+def validate(config: Config, world_size: int, other_world_sizes: Sequence[int] = ()) -> BatchPlan:
+    """Cross-section checks for a given world size; returns the batch plan they imply. `other_world_sizes`:
+    the sizes the same job may also run at (elastic), so that a suggested batch fix holds at all of them."""
     par, train = config.parallel, config.train
     recipe = get_recipe(config.run.recipe)
     try:
@@ -75,7 +102,8 @@ def validate(config: Config, world_size: int) -> BatchPlan:
             "step. Fix: --train.precision=bf16-mixed."
         )
     try:
-        return BatchPlan.derive(train, shape.dp_size, recipe.tokens_per_sample(config.model))
+        others = [parallel_layout(config, w)[1].dp_size for w in other_world_sizes if w != world_size]
+        return BatchPlan.derive(train, shape.dp_size, recipe.tokens_per_sample(config.model), others)
     except BatchMathError as e:
         raise ConfigError(str(e)) from None
 

@@ -86,7 +86,7 @@ def shard_corpus(folder: Path) -> TokenCorpus:
     if not train or not val:
         raise BadShardError(
             f"data.source={str(folder)!r}: a shard folder needs *train*.bin|.npy and *val*.bin|.npy files; "
-            f"found {[p.name for p in shards] or 'none'}"
+            f"found {[p.name for p in shards] or 'none'}. Fix: --data.source=<a folder with both, or a text file>."
         )
     return TokenCorpus(train, val, vocab_size=0)  # unknown: shards carry no tokenizer, the config says
 

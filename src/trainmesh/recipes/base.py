@@ -6,6 +6,7 @@ The loop and strategies stay generic; a recipe is the one place that knows what 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,18 @@ class Recipe(ABC):
     model_config_cls: type[ModelConfig]
     eval_metrics: tuple[str, ...] = ()
     """Validation metrics besides the loss that `output_sums` returns, each reported as val_<name>."""
+    data_sources: str = "'embedded', or an existing file or folder"
+    """What data.source may name, for error messages."""
+
+    def check_data(self, config: Config) -> None:
+        """Refuse a data.source that does not exist, before launch (what is inside is checked where it is
+        read, on each node)."""
+        source = config.data.source
+        if source != "embedded" and not Path(source).expanduser().exists():
+            raise ValueError(
+                f"data.source={source!r} does not exist on this machine; it may be {self.data_sources}. "
+                "Fix: --data.source=<an existing path>, or --data.source=embedded."
+            )
 
     def tokens_per_sample(self, model: ModelConfig) -> int:
         """Tokens in one sample, for token-denominated batch sizes; 0 when samples are not token sequences."""

@@ -13,6 +13,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import hostlist
+
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -108,20 +110,13 @@ def _slurm_tasks_on_this_node(env: Mapping[str, str], world: int) -> int:
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)  # keep zero padding: 01-03 -> 01, 02, 03
-            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
-    return hosts
+    """Expand SLURM's compressed host list in SLURM's order ('gpu[01-03,07],login1' -> gpu01 gpu02 gpu03
+    gpu07 login1; 'rack[1-2]-node[1-2]' -> rack1-node1 rack1-node2 rack2-node1 rack2-node2), with
+    python-hostlist, which handles every documented form (several brackets, text after a bracket)."""
+    try:
+        return list(hostlist.expand_hostlist(nodelist, sort=False))
+    except hostlist.BadHostlist as e:
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r} is not a SLURM host list: {e}") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -15,6 +15,8 @@ the summed gradients by dp_size, so the result is exactly the gradient of the gl
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainmesh.config.schema import TrainConfig
@@ -38,7 +40,11 @@ class BatchPlan:
     """Tokens in one sample (sequence length) for token recipes; 0 otherwise."""
 
     @classmethod
-    def derive(cls, train: TrainConfig, dp_size: int, tokens_per_sample: int = 0) -> BatchPlan:
+    def derive(
+        cls, train: TrainConfig, dp_size: int, tokens_per_sample: int = 0, other_dp_sizes: Sequence[int] = ()
+    ) -> BatchPlan:
+        """The plan at `dp_size` replicas. `other_dp_sizes`: the sizes the same job may also run at (an
+        elastic node range), so that a suggested fix divides at every one of them."""
         micro = train.micro_batch
         per_micro_step = micro * dp_size
         global_batch = train.global_batch or per_micro_step
@@ -64,18 +70,21 @@ class BatchPlan:
                 f"(= {global_batch} sequences × {tokens_per_sample} tokens)"
             )
         if global_batch % per_micro_step:
-            lower = max(per_micro_step, global_batch // per_micro_step * per_micro_step)
+            sizes = sorted({dp_size, *other_dp_sizes})
+            step = math.lcm(*(micro * d for d in sizes))  # a global batch that splits at every size
+            lower = max(step, global_batch // step * step)
             if train.global_batch_tokens:  # suggest the key the user actually set
                 unit, key, scale = "tokens", "train.global_batch_tokens", tokens_per_sample
             else:
                 unit, key, scale = "samples", "train.global_batch", 1
+            every = f" at every data-parallel size this job may run at ({', '.join(map(str, sizes))})"
             raise BatchMathError(
                 f"{source} cannot be split evenly: each micro-step processes train.micro_batch={micro} "
                 f"× {dp_size} data-parallel rank(s) = {per_micro_step} samples, and "
                 f"{global_batch} / {per_micro_step} = {global_batch / per_micro_step:.2f} is not a whole "
                 f"number of accumulation steps. Fix: a global batch that is a multiple of "
-                f"{per_micro_step * scale} {unit} (e.g. --{key}={lower * scale} or "
-                f"{(lower + per_micro_step) * scale}), or change --train.micro_batch or the number of processes."
+                f"{step * scale} {unit}{every if len(sizes) > 1 else ''} (e.g. --{key}={lower * scale} or "
+                f"{(lower + step) * scale}), or change --train.micro_batch or the number of processes."
             )
         return cls(global_batch, micro, dp_size, global_batch // per_micro_step, tokens_per_sample)
 

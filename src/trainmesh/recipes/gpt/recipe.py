@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class GPTRecipe(Recipe):
     name = "gpt"
     model_config_cls = GPTConfig
+    data_sources = "'embedded', a text file, or a folder of token shards"
 
     def __init__(self) -> None:
         self.corpus: TokenCorpus | None = None

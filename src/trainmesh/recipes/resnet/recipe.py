@@ -38,6 +38,7 @@ log = get_logger(__name__)
 class ResNetRecipe(Recipe):
     name = "resnet"
     model_config_cls = ResNetConfig
+    data_sources = "'embedded' (scikit-learn's digits), or a folder of class sub-folders of images"
     eval_metrics = ("top1",)
 
     def __init__(self) -> None:

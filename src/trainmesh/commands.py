@@ -1,0 +1,158 @@
+"""What each `trainmesh` command does (the parser is in trainmesh.cli, which imports this module only once
+the command line has been parsed)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import time
+from pathlib import Path
+
+from trainmesh.checkpoint.catalog import list_checkpoints
+from trainmesh.config import Config, ConfigError, dump_toml
+from trainmesh.config.loader import config_to_dict
+from trainmesh.config.validate import load_config, validate
+from trainmesh.launch import LaunchError, LaunchOptions, launch
+from trainmesh.recipes import get_recipe
+from trainmesh.rundir import (
+    CONFIG_FILE,
+    RunLock,
+    claim_new_run_dir,
+    create_run_dir,
+    existing_run_dir,
+    new_job_id,
+    write_config,
+)
+from trainmesh.train.batch import BatchPlan
+
+log = logging.getLogger("trainmesh")
+
+
+def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(
+        nproc_per_node=str(args.nproc_per_node),
+        nnodes=str(args.nnodes),
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        join_timeout_s=args.join_timeout,
+        rdzv_conf=args.rdzv_conf,
+        standalone=args.standalone,
+    )
+
+
+def _validate_all(config: Config, opts: LaunchOptions) -> list[tuple[int, BatchPlan]]:
+    """Check the launch flags, and the config at every world size this launch may run at (several when
+    elastic)."""
+    opts.check()
+    try:
+        get_recipe(config.run.recipe).check_data(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    worlds = opts.world_sizes()
+    return [(world, validate(config, world, worlds)) for world in worlds]
+
+
+def run_script(args: argparse.Namespace) -> int:
+    """`trainmesh run train.py ...`: the script and its arguments on every rank."""
+    return launch(_launch_options(args), [args.target, *args.rest], module=False)
+
+
+def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`trainmesh run <recipe>`: check everything, claim the run folder, write its config, launch."""
+    opts = _launch_options(args)
+    config = load_config(args.config, overrides, args.target)
+    plans = _validate_all(config, opts)  # before any process starts or any file is written
+    out_dir = Path(config.run.out_dir)
+    suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
+    if suffix and not config.run.name:
+        config.run.name = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
+    if config.checkpoint.resume:
+        run_dir = existing_run_dir(out_dir, config.run.name)  # a misspelled --run-id is refused
+    elif config.run.name:
+        run_dir = create_run_dir(out_dir, config.run.name)
+    else:
+        run_dir = claim_new_run_dir(out_dir, config.run.recipe)
+    config.run.name = run_dir.name
+    low, high = opts.node_bounds()
+    if low < high and not config.checkpoint.resume:
+        # Membership changes restart every worker, and a node that did not fail (one joining, or its
+        # peers when a job grows) keeps restart count 0: so every (re)start of an elastic job continues
+        # from the run's newest checkpoint, when there is one.
+        config.checkpoint.resume = True
+        log.info(
+            "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
+        )
+    job = suffix or new_job_id()
+    with RunLock(run_dir, job) as lock:
+        if not config.checkpoint.resume and list_checkpoints(run_dir):
+            newest = list_checkpoints(run_dir)[-1].name
+            raise LaunchError(
+                f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
+                f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
+            )
+        config_path = _write_or_match_config(run_dir, config, joined=lock.joined)
+        for world, plan in plans:
+            log.info("world size %d: %s", world, plan.describe())
+        entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
+        return launch(opts, [*entry, "--job", job], module=True, run_name=run_dir.name)
+
+
+def _write_or_match_config(run_dir: Path, config: Config, joined: bool) -> Path:
+    """The launch holding the lock writes the run's config; another node of the same job (sharing the
+    folder) checks that its own config is the same, instead of overwriting it under running workers."""
+    if not joined:
+        return write_config(run_dir, config)
+    path = run_dir / CONFIG_FILE
+    deadline = time.monotonic() + 30
+    while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
+        time.sleep(0.2)
+    ours = dump_toml(config_to_dict(config))
+    theirs = path.read_text() if path.is_file() else ""
+    if theirs != ours:
+        diff = [line for line in ours.splitlines() if line not in theirs.splitlines()][:5]
+        raise LaunchError(
+            f"another node of this job wrote {path} with a different config (this node has: {'; '.join(diff)}). "
+            "Fix: launch every node with the same --config and overrides."
+        )
+    return path
+
+
+def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
+    opts = _launch_options(args)
+    config = load_config(args.config, overrides, args.target)
+    for world, plan in _validate_all(config, opts):
+        print(f"world size {world}: OK — {plan.describe()}")
+    return 0
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from trainmesh.checkpoint.inspect import checkpoints_at, describe, verify_all
+
+    if args.action != "export" and (args.output is not None or args.force):
+        log.error("-o/--output and --force apply to `trainmesh ckpt export` only")
+        return 2
+    try:
+        if args.action == "inspect":
+            print("\n\n".join(describe(ckpt) for ckpt in checkpoints_at(Path(args.path))))
+            return 0
+        if args.action == "export":
+            from trainmesh.checkpoint.export import export_checkpoint
+
+            done = export_checkpoint(Path(args.path), args.output, force=args.force)
+            print(f"exported step {done.step} of {done.checkpoint}")
+            print(f"  -> {done.path}: {done.tensors} tensors, {done.bytes:,} bytes")
+            return 0
+        verdicts = verify_all(Path(args.path))
+    except (FileNotFoundError, ValueError) as e:
+        log.error("%s", e)
+        return 1
+    for verdict in verdicts:
+        print(f"OK      {verdict.path}" if verdict.ok else f"INVALID {verdict.path}")
+        for problem in verdict.problems:
+            print(f"        {problem}")
+    return 0 if all(v.ok for v in verdicts) else 1

@@ -42,8 +42,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from trainmesh.config import Config
-from trainmesh.config.validate import load_config, validate
+from trainmesh.core.batch import BatchPlan
 from trainmesh.data.sharding import GlobalBatchSampler
+from trainmesh.job import load_config, resolve
 from trainmesh.metrics.mfu import FORMULA, Peak, device_peak, mfu
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.metrics.trace import format_breakdown, step_breakdown
@@ -51,9 +52,7 @@ from trainmesh.recipes import get_recipe
 from trainmesh.recipes.gpt.model import GPTConfig
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.train import loop
-from trainmesh.train.batch import BatchPlan
 from trainmesh.train.optim import lr_at
-from trainmesh.worker import build_runtime
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt2-124m.toml"
 RATIO_TARGET, MFU_TARGET = 1.00, 0.50
@@ -206,9 +205,9 @@ def plain_round(
 def trainmesh_round(
     config_file: str, overrides: list[str], rt: Runtime, out: Path, name: str, warmup: int
 ) -> dict[str, Any]:
-    config = load_config(config_file, [*overrides, f"--run.out_dir={out}", f"--run.name={name}"], "gpt")
+    config = load_config(config_file, [*overrides, f"--run.out_dir={out}", f"--run.id={name}"], "gpt")
     run_dir = out / name
-    loop.train(config, get_recipe("gpt"), rt, run_dir)
+    loop.train(config, resolve(config, rt.world_size).batch, get_recipe("gpt"), rt, run_dir)
     records = sorted((x for x in read_metrics(run_dir / METRICS_FILE) if x["kind"] == "train"), key=lambda x: x["step"])
     steps, every = config.train.max_steps, config.run.log_every
     assert [x["step"] for x in records] == list(range(every, steps + 1, every)), "expected a record per window"
@@ -390,18 +389,18 @@ def main() -> int:
         overrides += ["--dist.device=cpu", "--train.precision=32-true"]
     overrides += extra
     base = load_config(args.config, overrides, "gpt")
-    plan = validate(base, 1)
+    job = resolve(base, 1)
+    plan = job.batch
     # One process, world size 1: no torchrun, no process group. Its train.tf32 (on by default, as build-nanogpt
     # sets it) is a process-wide setting: the plain side runs under the same.
-    rt = build_runtime(base)
+    rt = job.runtime()
     if not args.verbose:
         rt.log.setLevel("WARNING")
     recipe = get_recipe("gpt")
-    recipe.prepare(base, rt)
-    train_set, _ = recipe.datasets()  # both sides read this, in the same order
+    train_set, _ = recipe.prepare(base, rt)  # both sides read this, in the same order
     with torch.device("meta"):  # trainmesh's own model, shapes only: its parameter count and FLOPs per token
-        tm_model = recipe.build_model(base)
-    peak = device_peak(rt.device, rt.precision.compute_dtype, rt.tf32)
+        tm_model = recipe.build_model(base, rt)
+    peak = device_peak(rt.device, rt.compute_dtype, rt.tf32)
     info = header(rt.device) | {
         "model": f"size={args.size} vocab={VOCAB} block={args.block_size}",
         "plan": plan.describe(),

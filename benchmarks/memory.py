@@ -1,7 +1,8 @@
 """Memory per rank: DDP vs FSDP (ZeRO), with CPU offload and activation checkpointing.
 
 Each setup runs in its own pair of fresh gloo processes on the CPU (`trainmesh.testing.run_distributed`,
-2 ranks × 1 thread): `Runtime(strategy=..., fsdp=FSDPOptions(...), blocks=BlockOptions(...))`, a GPT
+2 ranks × 1 thread): `Runtime(strategy=..., parallel=ParallelConfig(fsdp=FSDPConfig(...),
+activation_checkpointing=...))`, a GPT
 (`trainmesh.recipes.gpt.model.GPT`), `rt.setup(model)`, then AdamW built from the set-up model's parameters
 (fsdp replaces them by shards), and one forward / backward / optimizer step on a fixed batch (the same
 tokens in every setup; each rank has its own). On each rank it measures, in bytes of this rank's *local*
@@ -52,10 +53,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from trainmesh.config.schema import FSDPConfig, ParallelConfig
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies.blocks import BlockOptions
-from trainmesh.strategies.fsdp import FSDPOptions
 from trainmesh.testing import run_distributed
 
 MiB = 2**20
@@ -186,13 +186,9 @@ def reset_peak_rss() -> bool:
 
 
 def rank_main(rank: int, setup: dict[str, Any], size: str, vocab: int, block_size: int, batch: int) -> dict[str, Any]:
-    fsdp = FSDPOptions(reshard_after_forward=setup["reshard_after_forward"], cpu_offload=setup["cpu_offload"])
-    rt = Runtime(
-        strategy=setup["strategy"],
-        fsdp=fsdp if setup["strategy"] == "fsdp" else None,
-        blocks=BlockOptions(activation_checkpointing=setup["activation_checkpointing"]),
-        seed=0,
-    )
+    fsdp = FSDPConfig(reshard_after_forward=setup["reshard_after_forward"], cpu_offload=setup["cpu_offload"])
+    parallel = ParallelConfig(fsdp=fsdp, activation_checkpointing=setup["activation_checkpointing"])
+    rt = Runtime(strategy=setup["strategy"], parallel=parallel, seed=0)
     raw = GPT(GPTConfig(size=size, vocab_size=vocab, block_size=block_size))
     n_params = sum(p.numel() for p in raw.parameters())  # tied wte/lm_head counted once
     blocks = list(raw.blocks)

@@ -35,17 +35,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainmesh.config import Config
-from trainmesh.config.validate import load_config, validate
+from trainmesh.core.batch import BatchPlan
+from trainmesh.core.env import free_port
 from trainmesh.data.corpus import default_cache_dir
+from trainmesh.job import load_config, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import get_recipe
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
-from trainmesh.runtime.env import free_port
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.train import loop
-from trainmesh.train.batch import BatchPlan
 from trainmesh.train.optim import lr_at
-from trainmesh.worker import build_runtime
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt-tiny.toml"
 TARGET = 1.02
@@ -95,9 +94,9 @@ def launch(argv: list[str], nproc: int) -> int:
 
 
 def trainmesh_round(args: argparse.Namespace, overrides: list[str], rt: Runtime, out: Path, r: int) -> dict[str, Any]:
-    config = load_config(args.config, [*overrides, f"--run.out_dir={out}", f"--run.name=trainmesh-{r}"], "gpt")
-    run_dir = out / config.run.name
-    loop.train(config, get_recipe("gpt"), rt, run_dir)
+    config = load_config(args.config, [*overrides, f"--run.out_dir={out}", f"--run.id=trainmesh-{r}"], "gpt")
+    run_dir = out / config.run.id
+    loop.train(config, resolve(config, rt.world_size).batch, get_recipe("gpt"), rt, run_dir)
     if not rt.is_main_process:
         return {}
     records = sorted((x for x in read_metrics(run_dir / METRICS_FILE) if x["kind"] == "train"), key=lambda x: x["step"])
@@ -232,15 +231,15 @@ def rank_main(args: argparse.Namespace, extra: list[str]) -> int:
         *extra,
     ]
     base = load_config(args.config, overrides, "gpt")
-    plan = validate(base, int(os.environ["WORLD_SIZE"]))
-    rt = build_runtime(base)  # one process group for every round of both sides
+    job = resolve(base, int(os.environ["WORLD_SIZE"]))
+    plan = job.batch
+    rt = job.runtime()  # one process group for every round of both sides
     if not args.verbose:
         rt.log.setLevel("WARNING")
     out = Path(rt.broadcast_object(tempfile.mkdtemp(prefix="overhead-") if rt.is_main_process else ""))
     try:
         recipe = get_recipe("gpt")
-        recipe.prepare(base, rt)  # resolves model.vocab_size from the tokenizer
-        train_set, _ = recipe.datasets()
+        train_set, _ = recipe.prepare(base, rt)
         tm: list[dict[str, Any]] = []
         pl: list[dict[str, Any]] = []
         for r in range(args.rounds):

@@ -1,9 +1,10 @@
 """Pipeline bubble: how long each stage sits idle per step, measured, against the theory.
 
 Two gloo processes on the CPU (1 thread each, `trainmesh.testing.run_distributed`) form a pipeline of
-p = 2 ranks. For each schedule and micro-batch count m, `build_strategy(... MeshShape(pp=2),
-PipelineOptions(schedule, m))` cuts a GPT (8 blocks, C = 256, T = 64) into stages with trainmesh's
-own pipeline strategy, and `strategy.forward_backward` runs whole steps of m micro-batches of 2
+p = 2 ranks. For each schedule and micro-batch count m, trainmesh's own pipeline strategy
+(`build_strategy(Layout("single", ParallelDims(pp=2)), parallel=ParallelConfig(pp=2,
+pipeline=PipelineConfig(schedule, m)))`) cuts a GPT (8 blocks, C = 256, T = 64) into stages, and
+`strategy.forward_backward` runs whole steps of m micro-batches of 2
 sequences each (`--rows`). Every stage's compute — the `forward_one_chunk`, `backward_one_chunk` and
 `backward_weight_one_chunk` calls of torch's PipelineStage — is timed; a step starts after a barrier.
 
@@ -37,11 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainmesh.config.schema import ParallelConfig, PipelineConfig
 from trainmesh.precision import build_precision
 from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import pipeline_stage_gpt
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies import MeshShape, Objective, ParallelPlan, PipelineOptions, build_strategy
+from trainmesh.strategies import Layout, Objective, ParallelDims, ParallelPlan, build_strategy
 from trainmesh.strategies.pipeline import PipelineStrategy
 from trainmesh.testing import run_distributed
 
@@ -74,7 +76,7 @@ def _timed(busy: list[float], method: Callable[..., Any]) -> Callable[..., Any]:
 def rank_main(
     rank: int, schedules: list[str], micro_batches: list[int], rows: int, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
-    runtime = Runtime(strategy="single", mesh=MeshShape(pp=P), pipeline=PipelineOptions("1f1b", 1))
+    runtime = Runtime(strategy="single", parallel=ParallelConfig(pp=P, pipeline=PipelineConfig("gpipe", 1)))
     cfg = GPTConfig(size="small", n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
     objective = Objective(lambda b: (b[0], b[1]), summed_lm_loss, lambda o, t: {"loss": summed_lm_loss(o, t)})
     precision = build_precision("32-true", runtime.device)
@@ -83,7 +85,10 @@ def rank_main(
         for m in micro_batches:
             try:
                 strategy = build_strategy(
-                    "single", runtime.env, runtime.device, mesh=MeshShape(pp=P), pipeline=PipelineOptions(schedule, m)
+                    Layout("single", ParallelDims(pp=P)),
+                    env=runtime.env,
+                    device=runtime.device,
+                    parallel=ParallelConfig(pp=P, pipeline=PipelineConfig(schedule, m)),
                 )
                 assert isinstance(strategy, PipelineStrategy)
                 torch.manual_seed(0)

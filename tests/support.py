@@ -13,14 +13,16 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
-from trainmesh.config import Config, dump_toml
+from trainmesh.checkpoint.state import TRAINER_STATE
+from trainmesh.config import Config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.config.validate import load_config
+from trainmesh.core.env import free_port
+from trainmesh.job import load_config
 from trainmesh.metrics.sinks import read_metrics
-from trainmesh.recipes.base import Recipe
+from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import IGNORE_INDEX
-from trainmesh.runtime.env import free_port
+from trainmesh.runtime.runtime import Runtime
 from trainmesh.train.loop import TrainResult
 from trainmesh.worker import run_worker
 
@@ -71,9 +73,10 @@ class PaddedTargets(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class PaddedGPTRecipe(GPTRecipe):
-    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
-        train, val = super().datasets()
-        return PaddedTargets(train, self.block_size), PaddedTargets(val, self.block_size)
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
+        train, val = super().prepare(config, runtime)
+        block_size = config.model.block_size  # type: ignore[attr-defined]
+        return Datasets(PaddedTargets(train, block_size), PaddedTargets(val, block_size))
 
 
 def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False) -> dict[str, Any]:
@@ -88,7 +91,7 @@ def train_rank(rank: int, root: str, overrides: list[str], padded: bool = False)
         sharded.extend(k for k, v in state.items() if isinstance(v, DTensor) and v.to_local().numel() < v.numel())
         params.update({k: _full(v).detach().cpu().clone() for k, v in state.items()})
 
-    run_dir = Path(root) / "runs" / config.run.name
+    run_dir = Path(root) / "runs" / config.run.id
     result = run_worker(config, run_dir, recipe=recipe, before_teardown=gather)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if rank == 0 else []
     return {
@@ -173,3 +176,20 @@ def assert_learned(run_dir: Path, by: float) -> None:
     untrained, *_, trained = val_losses(run_dir)
     assert trained < untrained - by, (untrained, trained)
     assert train_records(run_dir)[-1]["peak_mem_gb"] > 0
+
+
+def assert_config_recorded(run_dir: Path, since_step: int = 0) -> int:
+    """config.toml in `run_dir` equals the config every checkpoint of the run (from step `since_step` on: those
+    of the latest attempt) records, both being the Job's; returns how many checkpoints were compared."""
+    written = load_toml(run_dir / "config.toml")
+    states = sorted((run_dir / "checkpoints").glob(f"step_*/{TRAINER_STATE}"))
+    states = [s for s in states if int(s.parent.name.removeprefix("step_")) >= since_step]
+    for path in states:
+        recorded = json.loads(path.read_text())["config"]
+        assert _without_none(recorded) == written, f"{path} records another config than {run_dir / 'config.toml'}"
+    return len(states)
+
+
+def _without_none(data: dict[str, Any]) -> dict[str, Any]:
+    """As config.toml holds it: TOML has no null, so unset options are left out."""
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}

@@ -4,8 +4,8 @@ trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.l
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4
 trainmesh env
-trainmesh ckpt verify runs/<name>                     # or: ckpt inspect runs/<name>/checkpoints/step_...
-trainmesh ckpt export runs/<name>                     # newest valid checkpoint -> runs/<name>/export/*.safetensors
+trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
+trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
 
 This module only parses: it imports no torch, so `trainmesh --help` is instant. What each command does is
 in trainmesh.commands, imported once the command line is understood.
@@ -20,8 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
-from trainmesh.runtime.logging import configure_logging
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from trainmesh.core.logging import configure_logging
 
 log = logging.getLogger("trainmesh")
 RECIPE_NAMES = ("gpt", "resnet")
@@ -59,7 +59,7 @@ def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("recipe")
     g.add_argument("--config", default=d(None), help="TOML config file (see configs/)")
-    g.add_argument("--run-id", default=d(None), help="run directory name under run.out_dir (= run.name)")
+    g.add_argument("--run-id", default=d(None), help="run directory name under run.out_dir (= run.id)")
     g.add_argument("--resume", action="store_true", default=d(False), help="continue from the newest checkpoint")
 
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run)
     _add_recipe_flags(run)
     run.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    check = sub.add_parser("check", help="validate a config for a world size and print the batch plan")
+    check = sub.add_parser("check", help="resolve a config for the launch's world size(s): layout and batch plan")
     check.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
     _add_launch_flags(check)
     _add_recipe_flags(check)
@@ -120,7 +120,7 @@ def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     if unknown:
         parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
     if args.run_id:
-        overrides.append(f"--run.name={args.run_id}")
+        overrides.append(f"--run.id={args.run_id}")
     if args.resume:
         overrides.append("--checkpoint.resume=true")
     return overrides
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainmesh import commands  # torch and everything else, now that the command line is understood
 
         if args.command == "env":
-            from trainmesh.runtime.report import environment_report
+            from trainmesh.core.report import environment_report
 
             print(environment_report())
             return 0

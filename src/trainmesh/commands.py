@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from trainmesh.checkpoint.catalog import list_checkpoints
-from trainmesh.config import Config, ConfigError, dump_toml
-from trainmesh.config.loader import config_to_dict
-from trainmesh.config.validate import load_config, validate
+from trainmesh.config import Config, ConfigError
+from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.recipes import get_recipe
 from trainmesh.rundir import (
@@ -24,7 +23,6 @@ from trainmesh.rundir import (
     new_job_id,
     write_config,
 )
-from trainmesh.train.batch import BatchPlan
 
 log = logging.getLogger("trainmesh")
 
@@ -45,16 +43,16 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
-def _validate_all(config: Config, opts: LaunchOptions) -> list[tuple[int, BatchPlan]]:
-    """Check the launch flags, and the config at every world size this launch may run at (several when
-    elastic)."""
+def _resolve_all(config: Config, opts: LaunchOptions) -> list[Job]:
+    """Check the launch flags and the data, and resolve the job at every world size this launch may run at
+    (several when elastic)."""
     opts.check()
     try:
         get_recipe(config.run.recipe).check_data(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     worlds = opts.world_sizes()
-    return [(world, validate(config, world, worlds)) for world in worlds]
+    return [resolve(config, world, worlds) for world in worlds]
 
 
 def run_script(args: argparse.Namespace) -> int:
@@ -65,53 +63,53 @@ def run_script(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     """`trainmesh run <recipe>`: check everything, claim the run folder, write its config, launch."""
     opts = _launch_options(args)
-    config = load_config(args.config, overrides, args.target)
-    plans = _validate_all(config, opts)  # before any process starts or any file is written
-    out_dir = Path(config.run.out_dir)
+    jobs = _resolve_all(load_config(args.config, overrides, args.target), opts)  # before anything is written
+    config = jobs[0].config
+    run_id, out_dir = config.run.id, Path(config.run.out_dir)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
-    if suffix and not config.run.name:
-        config.run.name = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
+    if suffix and not run_id:
+        run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
     if config.checkpoint.resume:
-        run_dir = existing_run_dir(out_dir, config.run.name)  # a misspelled --run-id is refused
-    elif config.run.name:
-        run_dir = create_run_dir(out_dir, config.run.name)
+        run_dir = existing_run_dir(out_dir, run_id)  # a misspelled --run-id is refused
+    elif run_id:
+        run_dir = create_run_dir(out_dir, run_id)
     else:
         run_dir = claim_new_run_dir(out_dir, config.run.recipe)
-    config.run.name = run_dir.name
     low, high = opts.node_bounds()
-    if low < high and not config.checkpoint.resume:
-        # Membership changes restart every worker, and a node that did not fail (one joining, or its
-        # peers when a job grows) keeps restart count 0: so every (re)start of an elastic job continues
-        # from the run's newest checkpoint, when there is one.
-        config.checkpoint.resume = True
+    # Membership changes restart every worker, and a node that did not fail (one joining, or its peers when a
+    # job grows) keeps restart count 0: so every (re)start of an elastic job continues from the run's newest
+    # checkpoint, when there is one.
+    elastic = low < high and not config.checkpoint.resume
+    if elastic:
         log.info(
             "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
         )
-    job = suffix or new_job_id()
-    with RunLock(run_dir, job) as lock:
-        if not config.checkpoint.resume and list_checkpoints(run_dir):
+    job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic)
+    launch_id = suffix or new_job_id()
+    with RunLock(run_dir, launch_id) as lock:
+        if not job.resume and list_checkpoints(run_dir):
             newest = list_checkpoints(run_dir)[-1].name
             raise LaunchError(
                 f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
                 f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
             )
-        config_path = _write_or_match_config(run_dir, config, joined=lock.joined)
-        for world, plan in plans:
-            log.info("world size %d: %s", world, plan.describe())
-        entry = ["trainmesh", config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
-        return launch(opts, [*entry, "--job", job], module=True, run_name=run_dir.name)
+        config_path = _write_or_match_config(run_dir, job, joined=lock.joined)
+        for each in jobs:
+            log.info("world size %d: %s", each.world_size, each.batch.describe())
+        entry = ["trainmesh", job.config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
+        return launch(opts, [*entry, "--job", launch_id], module=True, run_id=run_dir.name)
 
 
-def _write_or_match_config(run_dir: Path, config: Config, joined: bool) -> Path:
+def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
     """The launch holding the lock writes the run's config; another node of the same job (sharing the
     folder) checks that its own config is the same, instead of overwriting it under running workers."""
     if not joined:
-        return write_config(run_dir, config)
+        return write_config(run_dir, job.config)
     path = run_dir / CONFIG_FILE
     deadline = time.monotonic() + 30
     while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
         time.sleep(0.2)
-    ours = dump_toml(config_to_dict(config))
+    ours = job.config_toml()
     theirs = path.read_text() if path.is_file() else ""
     if theirs != ours:
         diff = [line for line in ours.splitlines() if line not in theirs.splitlines()][:5]
@@ -124,9 +122,9 @@ def _write_or_match_config(run_dir: Path, config: Config, joined: bool) -> Path:
 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = _launch_options(args)
-    config = load_config(args.config, overrides, args.target)
-    for world, plan in _validate_all(config, opts):
-        print(f"world size {world}: OK — {plan.describe()}")
+    for job in _resolve_all(load_config(args.config, overrides, args.target), opts):
+        strategy, dims = job.layout
+        print(f"world size {job.world_size}: OK — {strategy} on {dims.describe()}; {job.batch.describe()}")
     return 0
 
 

@@ -14,7 +14,8 @@ phase: step (default: right after optimizer step `step` completes) | data (while
        commit rename, before `checkpoints/latest` is updated: e.g. kind=diskfull)
 
 Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
-attempt that torchrun restarts after it does not inject it again. Unset, this module does nothing.
+attempt that torchrun restarts after it does not inject it again. The worker parses the variable once
+(`FaultPlan.from_environ`) and passes the plan down; unset, the plan is empty and does nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from trainmesh.runtime.files import make_dirs, open_file
+from trainmesh.core.files import make_dirs, open_file
 
 ENV_VAR = "TRAINMESH_FAULT"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,39 +66,50 @@ def parse_faults(spec: str) -> list[Fault]:
     return faults
 
 
-def maybe_inject(step: int, phase: str, rank: int, run_dir: Path) -> None:
-    """Fire the fault planned for (rank, step, phase), once per run directory."""
-    for fault in _due(step, phase, rank, run_dir, nan=False):
-        _fire(fault)
+class FaultPlan:
+    """The faults planned for one rank, parsed once from TRAINMESH_FAULT when the worker starts; with none
+    planned (the normal case) every method returns at once."""
 
+    def __init__(self, faults: list[Fault], rank: int, run_dir: Path) -> None:
+        self.faults = [f for f in faults if f.rank == rank]
+        self.run_dir = run_dir
 
-def poison_loss(loss_fn: F, step: int, rank: int, run_dir: Path) -> F:
-    """`loss_fn`, or one whose loss is NaN when a kind=nan fault is due at optimizer step `step`
-    (counted from 1) on this rank."""
-    if not _due(step, "step", rank, run_dir, nan=True):
-        return loss_fn
+    @classmethod
+    def from_environ(cls, rank: int, run_dir: Path) -> FaultPlan:
+        return cls(parse_faults(os.environ.get(ENV_VAR, "")), rank, run_dir)
 
-    def poisoned(*args: Any) -> Any:
-        return loss_fn(*args) * float("nan")
+    @classmethod
+    def none(cls) -> FaultPlan:
+        return cls([], 0, Path("."))
 
-    return cast(F, poisoned)
+    def inject(self, step: int, phase: str) -> None:
+        """Fire the fault planned for (step, phase) on this rank, once per run directory."""
+        for fault in self._due(step, phase, nan=False):
+            _fire(fault)
 
+    def loss(self, loss_fn: F, step: int) -> F:
+        """`loss_fn`, or one whose loss is NaN when a kind=nan fault is due at optimizer step `step`
+        (counted from 1) on this rank."""
+        if not self._due(step, "step", nan=True):
+            return loss_fn
 
-def _due(step: int, phase: str, rank: int, run_dir: Path, nan: bool) -> list[Fault]:
-    spec = os.environ.get(ENV_VAR)
-    if not spec:
-        return []
-    due = []
-    for fault in parse_faults(spec):
-        if (fault.rank, fault.step, fault.phase) != (rank, step, phase) or (fault.kind == "nan") != nan:
-            continue
-        marker = run_dir / ".faults" / str(fault.index)
-        if marker.exists():
-            continue  # fired in an earlier attempt
-        make_dirs(run_dir, ".faults")
-        open_file(marker, "a").close()
-        due.append(fault)
-    return due
+        def poisoned(*args: Any) -> Any:
+            return loss_fn(*args) * float("nan")
+
+        return cast(F, poisoned)
+
+    def _due(self, step: int, phase: str, nan: bool) -> list[Fault]:
+        due = []
+        for fault in self.faults:
+            if (fault.step, fault.phase) != (step, phase) or (fault.kind == "nan") != nan:
+                continue
+            marker = self.run_dir / ".faults" / str(fault.index)
+            if marker.exists():
+                continue  # fired in an earlier attempt
+            make_dirs(self.run_dir, ".faults")
+            open_file(marker, "a").close()
+            due.append(fault)
+        return due
 
 
 def _fire(fault: Fault) -> None:

@@ -24,10 +24,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from trainmesh.runtime.dist import is_loopback, loopback_store
-from trainmesh.runtime.env import free_port
-from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR, UserError
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.dist import is_loopback, loopback_store
+from trainmesh.core.env import free_port
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR, UserError
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 
@@ -188,9 +188,9 @@ def check_resolvable(host: str, flag: str) -> None:
         ) from None
 
 
-def launch(opts: LaunchOptions, entry: list[str], module: bool, run_name: str | None = None) -> int:
+def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | None = None) -> int:
     """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI.
-    `run_name`: the run's name, for the command that continues it after a stop."""
+    `run_id`: the run's id, for the command that continues it after a stop."""
     store = None  # single node: the agent's store, on loopback only, kept alive while the agent runs
     if not opts.multi_node and not opts.rdzv_endpoint and is_loopback(opts.master_addr or "127.0.0.1"):
         try:
@@ -210,7 +210,7 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_name: str | 
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
     except SignalException as e:  # the agent forwarded it to the workers and waited for them
-        again = f"--resume --run-id {run_name}" if run_name else "--resume"
+        again = f"--resume --run-id {run_id}" if run_id else "--resume"
         if e.sigval in (signal.SIGTERM, signal.SIGINT):
             what = "SIGTERM" if e.sigval == signal.SIGTERM else "Ctrl-C"
             log.warning(

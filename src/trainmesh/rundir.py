@@ -1,4 +1,4 @@
-"""Run folders: `<run.out_dir>/<run.name>/`, named once, held by one job at a time, holding the resolved config.
+"""Run folders: `<run.out_dir>/<run.id>/`, named once, held by one job at a time, holding the resolved config.
 
 The launcher (before any process starts) or, without it (plain torchrun, srun, python), rank 0 of the
 job creates the folder and takes its lock; only rank 0 of a job writes into it afterwards.
@@ -28,9 +28,9 @@ from typing import IO, Any
 
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import open_file, write_atomically
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import open_file, write_atomically
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

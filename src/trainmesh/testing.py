@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from trainmesh.runtime.env import free_port
+from trainmesh.core.env import free_port
 
 
 class DistributedTestError(RuntimeError):

@@ -17,10 +17,14 @@ from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainmesh.config import Config, ConfigError, dump_toml
-from trainmesh.config.loader import config_to_dict
-from trainmesh.config.validate import load_config, parallel_layout, validate
-from trainmesh.recipes import Recipe, get_recipe
+from trainmesh.config import Config, ConfigError
+from trainmesh.core.dist import store_client
+from trainmesh.core.env import DistEnv
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from trainmesh.core.logging import configure_logging, get_logger
+from trainmesh.faults import FaultPlan
+from trainmesh.job import Job, load_config, resolve
+from trainmesh.recipes import Recipe
 from trainmesh.rundir import (
     RunFolderError,
     RunLock,
@@ -31,12 +35,8 @@ from trainmesh.rundir import (
     new_job_id,
     write_config,
 )
-from trainmesh.runtime.dist import store_client
-from trainmesh.runtime.env import DistEnv
-from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
-from trainmesh.runtime.logging import configure_logging, get_logger
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies import BlockOptions, DDPOptions, FSDPOptions, PipelineOptions
+from trainmesh.train.hooks import RunHooks
 from trainmesh.train.loop import TrainResult, train
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog, attempt_label
@@ -44,64 +44,48 @@ from trainmesh.train.watchdog import StallWatchdog, attempt_label
 log = get_logger(__name__)
 
 
-def build_runtime(config: Config) -> Runtime:
-    strategy, mesh = parallel_layout(config, DistEnv.from_environ().world_size)
-    return Runtime(
-        strategy=strategy,
-        precision=config.train.precision,
-        device=config.dist.device,
-        backend=config.dist.backend,
-        timeout_s=config.dist.timeout_s,
-        init_timeout_s=config.dist.init_timeout_s,
-        debug=config.dist.debug,
-        ddp=DDPOptions(**config_to_dict(config.parallel.ddp)),
-        fsdp=FSDPOptions(**config_to_dict(config.parallel.fsdp)),
-        blocks=BlockOptions(config.parallel.activation_checkpointing, config.train.compile),
-        mesh=mesh,
-        pipeline=PipelineOptions(**config_to_dict(config.parallel.pipeline)),
-        deterministic=config.run.deterministic,
-        tf32=config.train.tf32,
-    )
-
-
 def run_worker(
     config: Config,
     run_dir: Path | None = None,
     recipe: Recipe | None = None,
     before_teardown: Callable[[TrainResult], None] | None = None,
-    job: str | None = None,
+    launch_id: str | None = None,
 ) -> TrainResult:
-    """Train `config` in this process as one rank of the job described by the environment.
+    """Train `config` (complete, from `trainmesh.job.load_config`) in this process as one rank of the job
+    described by the environment.
 
     `recipe` defaults to the built-in named by run.recipe; pass your own `Recipe` subclass to train it.
     `before_teardown` runs on every rank while the process group still exists, e.g. to gather a
-    sharded (fsdp) model's full weights with DTensor.full_tensor(). `job` is the id of the launch that
+    sharded (fsdp) model's full weights with DTensor.full_tensor(). `launch_id` is the id of the launch that
     holds the run folder's lock (`trainmesh run` passes it); without it, rank 0 takes the lock.
     """
-    validate(config, DistEnv.from_environ().world_size)  # the real world size, e.g. under srun
+    env = DistEnv.from_environ()
+    job = resolve(config, env.world_size)  # the real world size, e.g. under srun
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    runtime = build_runtime(config)
+    runtime = job.runtime(env)
     lock: RunLock | None = None
     worker_lock: IO[Any] | None = None
     try:
         # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a
         # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
         # so the ranks agree: when any rank restarted, or was asked to resume, all resume.
-        asked_to_resume = config.checkpoint.resume
-        config.checkpoint.resume = bool(runtime.all_reduce(float(restarted or config.checkpoint.resume), "max"))
-        _check_same_config(config, runtime)
-        run_dir, lock = _take_run_dir(config, run_dir, job, runtime, asked_to_resume and not restarted)
+        resume = bool(runtime.all_reduce(float(restarted or job.resume), "max"))
+        _check_same_config(job, runtime)
+        run_dir, lock = _take_run_dir(job, run_dir, launch_id, runtime, job.resume and not restarted)
+        job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
         worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
-        runtime.on_main(lambda: write_config(run_dir, config))
+        runtime.on_main(lambda: write_config(run_dir, job.config))
         if runtime.is_main_process:
             log.info("run directory: %s", run_dir)
-            log.info("resolved config:\n%s", dump_toml(config_to_dict(config)))
+            log.info("resolved config:\n%s", job.config_toml())
         label = runtime.broadcast_object(attempt_label())  # rank 0's: every rank reports into one folder
         stall_watch = StallWatchdog(
-            run_dir, config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
+            run_dir, job.config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
         )
+        faults = FaultPlan.from_environ(runtime.rank, run_dir)  # the test hook, parsed once
         with PreemptionWatch() as preemption, stall_watch as watchdog:
-            result = train(config, recipe or get_recipe(config.run.recipe), runtime, run_dir, preemption, watchdog)
+            hooks = RunHooks(preemption, watchdog, faults)
+            result = train(job.config, job.batch, recipe or job.recipe, runtime, run_dir, hooks)
         if runtime.is_main_process:
             _report(result, run_dir)
         if before_teardown is not None:
@@ -121,9 +105,9 @@ def run_worker(
     return result
 
 
-def _check_same_config(config: Config, runtime: Runtime) -> None:
+def _check_same_config(job: Job, runtime: Runtime) -> None:
     """Every rank must run one config: nodes of a job each read their own launcher's config file."""
-    digest = hashlib.sha256(dump_toml(config_to_dict(config)).encode()).hexdigest()
+    digest = hashlib.sha256(job.config_toml().encode()).hexdigest()
     digests = runtime.all_gather_object(digest)
     odd = [rank for rank, d in enumerate(digests) if d != digests[0]]
     if odd:  # every rank raises
@@ -134,10 +118,11 @@ def _check_same_config(config: Config, runtime: Runtime) -> None:
 
 
 def _take_run_dir(
-    config: Config, run_dir: Path | None, job: str | None, runtime: Runtime, check_resume: bool
+    job: Job, run_dir: Path | None, launch_id: str | None, runtime: Runtime, check_resume: bool
 ) -> tuple[Path, RunLock | None]:
     """Collective: the run folder, named by rank 0 when the launcher did not, and locked for this job
-    (by the launcher that passed `job`, else by rank 0 here). Every rank gets the same folder or error."""
+    (by the launcher that passed `launch_id`, else by rank 0 here). Every rank gets the same folder or error."""
+    config = job.config
     outcome: tuple[str, str] = ("", "")
     lock = None
     if runtime.is_main_process:
@@ -147,13 +132,13 @@ def _take_run_dir(
             else:
                 out_dir = Path(config.run.out_dir)
                 if check_resume:
-                    run_dir = existing_run_dir(out_dir, config.run.name)
-                elif config.run.name:
-                    run_dir = create_run_dir(out_dir, config.run.name)
+                    run_dir = existing_run_dir(out_dir, config.run.id)
+                elif config.run.id:
+                    run_dir = create_run_dir(out_dir, config.run.id)
                 else:
                     run_dir = claim_new_run_dir(out_dir, config.run.recipe)
-            lock = RunLock(run_dir, job or new_job_id())
-            lock.acquire()  # with `job`: joins the lock of the launcher that started this job
+            lock = RunLock(run_dir, launch_id or new_job_id())
+            lock.acquire()  # with `launch_id`: joins the lock of the launcher that started this job
             outcome = (str(run_dir), "")
         except UserError as e:
             outcome = ("", str(e))
@@ -186,7 +171,7 @@ def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m trainmesh", description=__doc__)
     parser.add_argument("recipe", help="recipe to train (gpt)")
     parser.add_argument("--config", help="TOML config file")
-    parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.name>)")
+    parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.id>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # the launch that holds the run folder's lock
     args, rest = parser.parse_known_args(argv)
@@ -205,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             overrides.append("--checkpoint.resume=true")
         config = load_config(args.config, overrides, args.recipe)
-        result = run_worker(config, Path(args.run_dir) if args.run_dir else None, job=args.job)
+        result = run_worker(config, Path(args.run_dir) if args.run_dir else None, launch_id=args.job)
     except UserError as e:
         log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it
         return EXIT_USER_ERROR

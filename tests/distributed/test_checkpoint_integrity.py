@@ -56,7 +56,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("integrity")
-    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=ref"]))
+    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.id=ref"]))
     assert [p.name for p in list_checkpoints(root / "runs" / "ref")] == ["step_00000003", "step_00000006"]
     return root, result["params"]
 
@@ -76,9 +76,7 @@ def test_damage_is_detected_and_the_run_falls_back(
     damage, evidence = DAMAGE[what]
     name = "d" + str(list(DAMAGE).index(what))
     run_dir = _damaged_copy(root, name, damage)
-    (result,) = run_distributed(
-        train_rank, 1, args=(str(root), [*RUN, f"--run.name={name}", "--checkpoint.resume=true"])
-    )
+    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, f"--run.id={name}", "--checkpoint.resume=true"]))
     log = capfd.readouterr().err
     assert "failed verification" in log and evidence in log
     assert re.search(r"resumed from \S*step_00000003", log)
@@ -94,7 +92,7 @@ def test_damage_to_a_file_that_rank_1_checks_is_found_in_a_2_rank_resume(
     """Verification is spread over the ranks (file i to rank i mod 2): rank 1's findings count as much as
     rank 0's."""
     two = [*RUN, "--train.micro_batch=4"]
-    (reference, _) = run_distributed(train_rank, 2, args=(str(tmp_path), [*two, "--run.name=ref"]))
+    (reference, _) = run_distributed(train_rank, 2, args=(str(tmp_path), [*two, "--run.id=ref"]))
     shutil.copytree(tmp_path / "runs" / "ref", tmp_path / "runs" / "hit")
     ckpt = tmp_path / "runs" / "hit" / "checkpoints" / "step_00000006"
     names = sorted(json.loads((ckpt / "manifest.json").read_text())["files"])
@@ -103,7 +101,7 @@ def test_damage_to_a_file_that_rank_1_checks_is_found_in_a_2_rank_resume(
     data[len(data) // 2] ^= 0x01
     damaged.write_bytes(bytes(data))
     (resumed, _) = run_distributed(
-        train_rank, 2, args=(str(tmp_path), [*two, "--run.name=hit", "--checkpoint.resume=true"])
+        train_rank, 2, args=(str(tmp_path), [*two, "--run.id=hit", "--checkpoint.resume=true"])
     )
     log = capfd.readouterr().err
     assert f"{damaged}: sha256" in log and re.search(r"resumed from \S*step_00000003", log), log[-2000:]
@@ -114,7 +112,7 @@ def test_damage_to_a_file_that_rank_1_checks_is_found_in_a_2_rank_resume(
 def test_abort_policy_stops_with_the_path(reference: tuple[Path, dict]) -> None:
     root, _ = reference
     _damaged_copy(root, "abort", _flip_byte)
-    overrides = [*RUN, "--run.name=abort", "--checkpoint.resume=true", "--checkpoint.on_corrupt=abort"]
+    overrides = [*RUN, "--run.id=abort", "--checkpoint.resume=true", "--checkpoint.on_corrupt=abort"]
     expected = r"(?s)step_00000006 failed verification.*sha256.*on_corrupt=fallback"
     with pytest.raises(DistributedTestError, match=expected):
         run_distributed(train_rank, 1, args=(str(root), overrides))
@@ -126,9 +124,7 @@ def test_pointer_and_leftovers(reference: tuple[Path, dict], capfd: pytest.Captu
     (checkpoint_root(run_dir) / LATEST).write_text("step_99999999\n")  # dangling
     leftover = checkpoint_root(run_dir) / ".step_00000009.tmp"  # a save that never committed
     leftover.mkdir()
-    (result,) = run_distributed(
-        train_rank, 1, args=(str(root), [*RUN, "--run.name=pointer", "--checkpoint.resume=true"])
-    )
+    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.id=pointer", "--checkpoint.resume=true"]))
     log = capfd.readouterr().err
     assert "garbled or dangling" in log and re.search(r"resumed from \S*step_00000006", log)
     assert not leftover.exists()
@@ -142,14 +138,14 @@ def test_rotation_keeps_the_newest_and_touches_nothing_else(tmp_path: Path) -> N
     outside = tmp_path / "precious"
     outside.mkdir()
     (root / "step_00000000").symlink_to(outside, target_is_directory=True)  # looks like ours, is a link
-    overrides = [*RUN, "--checkpoint.every=1", "--checkpoint.keep_last=2", "--run.name=rot"]
+    overrides = [*RUN, "--checkpoint.every=1", "--checkpoint.keep_last=2", "--run.id=rot"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides))
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "rot")] == ["step_00000005", "step_00000006"]
     assert (root / "notes").is_dir() and outside.is_dir() and (root / "step_00000000").is_symlink()
 
 
 def test_a_new_run_into_a_folder_with_checkpoints_is_refused_before_training(tmp_path: Path) -> None:
-    first = [*RUN, "--train.max_steps=3", "--run.name=twice", "--train.micro_batch=4"]
+    first = [*RUN, "--train.max_steps=3", "--run.id=twice", "--train.micro_batch=4"]
     run_distributed(train_rank, 2, args=(str(tmp_path), first))
     committed = tmp_path / "runs" / "twice" / "checkpoints" / "step_00000003"
     before = (committed / "manifest.json").read_text()
@@ -178,7 +174,7 @@ def failing_save_rank(rank: int, root: str, where: str) -> dict[str, Any]:
             raise RuntimeError("basic_ios::clear: iostream error")
 
         torch.save = save  # type: ignore[assignment]
-    return train_rank(rank, root, [*RUN, "--train.micro_batch=4", f"--run.name={where}"])
+    return train_rank(rank, root, [*RUN, "--train.micro_batch=4", f"--run.id={where}"])
 
 
 @pytest.mark.parametrize("where", ["manifest", "torch.save"])
@@ -215,7 +211,7 @@ def test_a_malicious_pickle_is_refused_even_with_a_matching_manifest(reference: 
     manifest["files"]["rng/rank_0.pt"] = file_digest(ckpt / "rng" / "rank_0.pt")
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DistributedTestError, match="Weights only load failed"):
-        run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=evil", "--checkpoint.resume=true"]))
+        run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.id=evil", "--checkpoint.resume=true"]))
     assert not marker.exists()
 
 
@@ -271,7 +267,7 @@ def test_a_stale_pointer_never_leaves_a_run_stuck(
     root, _ = reference
     run_dir = _damaged_copy(root, "stale", lambda c: None)
     (checkpoint_root(run_dir) / LATEST).write_text("step_00000003\n")
-    overrides = [*RUN, "--run.name=stale", "--checkpoint.resume=true", "--train.max_steps=9"]
+    overrides = [*RUN, "--run.id=stale", "--checkpoint.resume=true", "--train.max_steps=9"]
     run_distributed(train_rank, 1, args=(str(root), overrides))
     log = capfd.readouterr().err
     assert "names an older checkpoint" in log and re.search(r"resumed from \S*step_00000006", log)
@@ -285,7 +281,7 @@ def test_a_failed_pointer_update_costs_a_warning_not_the_run(
     """The disk fills right after step 3's commit rename (rank 0's pointer write): both ranks carry on,
     and the committed checkpoint is used on resume."""
     monkeypatch.setenv("TRAINMESH_FAULT", "rank=0,step=3,kind=diskfull,phase=commit")
-    overrides = [*RUN, "--run.name=full", "--train.micro_batch=4"]
+    overrides = [*RUN, "--run.id=full", "--train.micro_batch=4"]
     run_distributed(train_rank, 2, args=(str(tmp_path), overrides))
     log = capfd.readouterr().err
     assert "step_00000003 is committed, but updating checkpoints/latest" in log and "No space left" in log
@@ -301,5 +297,5 @@ def test_a_symlinked_checkpoints_folder_is_refused_on_save(tmp_path: Path) -> No
     run_dir.mkdir(parents=True)
     checkpoint_root(run_dir).symlink_to(outside, target_is_directory=True)
     with pytest.raises(DistributedTestError, match="is a symlink; trainmesh creates files under a run folder only"):
-        run_distributed(train_rank, 1, args=(str(tmp_path), [*RUN, "--run.name=linked"]))
+        run_distributed(train_rank, 1, args=(str(tmp_path), [*RUN, "--run.id=linked"]))
     assert not any(outside.iterdir())

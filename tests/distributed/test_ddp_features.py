@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from support import train_rank, train_rank_runs
-from trainmesh import DDPOptions, Runtime
+from trainmesh import DDPConfig, ParallelConfig, Runtime
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def no_sync_rank(rank: int) -> dict[str, Any]:
-    rt = Runtime(strategy="ddp", seed=0, ddp=DDPOptions(bucket_cap_mb=1.5, static_graph=False))
+    rt = Runtime(strategy="ddp", seed=0, parallel=ParallelConfig(ddp=DDPConfig(bucket_cap_mb=1.5, static_graph=False)))
     model = rt.setup(nn.Linear(4, 1))
     x = torch.full((2, 4), float(rank + 1))  # different data per rank -> different local gradients
     with rt.no_sync(model, enabled=True):
@@ -78,7 +78,7 @@ def sync_count_rank(rank: int, root: str, strategy: str, micro_batch: int) -> in
                 setattr(dist, name, counted(getattr(dist, name)))
         extra = ["--parallel.strategy=fsdp"]
     overrides = ["--train.global_batch=8", "--train.max_steps=3", f"--train.micro_batch={micro_batch}", *extra]
-    train_rank(rank, root, [*overrides, f"--run.name={strategy}-{micro_batch}"])
+    train_rank(rank, root, [*overrides, f"--run.id={strategy}-{micro_batch}"])
     return calls[0]
 
 
@@ -145,7 +145,7 @@ def test_fp16_compressed_gradients_still_train_in_step(tmp_path: Path) -> None:
     """The fp16 hook is really in place: rounding each gradient bucket to 16 bits moves the weights
     (unlike a no-op), by no more than fp16's precision over a few steps."""
     batch = ["--train.micro_batch=4", "--train.global_batch=8", "--train.max_steps=6"]
-    runs = [[*batch, "--run.name=plain"], [*batch, "--parallel.ddp.comm_hook=fp16", "--run.name=hooked"]]
+    runs = [[*batch, "--run.id=plain"], [*batch, "--parallel.ddp.comm_hook=fp16", "--run.id=hooked"]]
     plain, hooked = zip(*run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs)), strict=True)
     for key, value in hooked[0]["params"].items():
         assert torch.equal(value, hooked[1]["params"][key])  # replicas stay identical
@@ -155,9 +155,9 @@ def test_fp16_compressed_gradients_still_train_in_step(tmp_path: Path) -> None:
 
 
 def test_bf16_compression_is_refused_without_nccl() -> None:
-    from trainmesh.runtime.env import DistEnv
+    from trainmesh.core.env import DistEnv
     from trainmesh.strategies.ddp import DDPStrategy
 
     env = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
     with pytest.raises(ValueError, match=r"comm_hook='bf16' needs NCCL.*--parallel.ddp.comm_hook=fp16"):
-        DDPStrategy(env, torch.device("cpu"), DDPOptions(comm_hook="bf16"))
+        DDPStrategy(env, torch.device("cpu"), DDPConfig(comm_hook="bf16"))

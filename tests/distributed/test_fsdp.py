@@ -51,7 +51,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     """One process, batch 2b, for each kind of setup (uneven: with ignore_index padding)."""
     root = tmp_path_factory.mktemp("fsdp-ref")
     base = [*BATCH, "--train.micro_batch=8", "--parallel.strategy=single"]
-    plain = [[*base, *extra, f"--run.name=ref{i}"] for i, extra in enumerate(REFERENCES.values())]
+    plain = [[*base, *extra, f"--run.id=ref{i}"] for i, extra in enumerate(REFERENCES.values())]
     (results,) = run_distributed(train_rank_runs, 1, args=(str(root), plain[:2]))
     (uneven,) = run_distributed(train_rank_runs, 1, args=(str(root), plain[2:], True))
     return dict(zip(REFERENCES, [*results, *uneven], strict=True))
@@ -67,7 +67,7 @@ def _assert_close(params: dict[str, torch.Tensor], reference: dict[str, torch.Te
 def test_fsdp_equals_one_process(name: str, references: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     world, overrides, kind = SETUPS[name]
     padded = kind == "uneven target counts"
-    results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.name=f"], padded))
+    results = run_distributed(train_rank, world, args=(str(tmp_path), [*BATCH, *overrides, "--run.id=f"], padded))
     reference = references[kind]
     for result in results:  # every rank gathers the same full parameters
         _assert_close(result["params"], reference["params"], name)
@@ -79,7 +79,7 @@ def test_activation_checkpointing_is_exact_with_dropout(tmp_path: Path) -> None:
     """Recomputation replays the same dropout masks (the RNG state is restored): bit-identical."""
     base = ["--train.micro_batch=4", "--train.global_batch=8", "--model.dropout=0.2"]
     plain, recomputed = (
-        run_distributed(train_rank, 1, args=(str(tmp_path), [*base, f"--run.name=ac{k}", f"--{AC}={k}"]))[0]
+        run_distributed(train_rank, 1, args=(str(tmp_path), [*base, f"--run.id=ac{k}", f"--{AC}={k}"]))[0]
         for k in (0, 1)
     )
     for key, value in plain["params"].items():
@@ -91,19 +91,19 @@ def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path: Path) -> No
     continuation matches the uninterrupted fsdp / ddp run. A sharded checkpoint also reads back whole
     in one process without a process group (what `trainmesh ckpt export` does)."""
     steps = ["--train.max_steps=4", "--checkpoint.every=2", "--train.micro_batch=4", *BATCH]
-    full = [*steps, FSDP, "--run.name=fsdp-full", "--checkpoint.final=true"]
+    full = [*steps, FSDP, "--run.id=fsdp-full", "--checkpoint.final=true"]
     fsdp_full = run_distributed(train_rank, 2, args=(str(tmp_path), full))[0]
     whole = read_full_state(tmp_path / "runs" / "fsdp-full" / "checkpoints" / "step_00000004")["model"]
     assert all(torch.equal(whole[k], v) for k, v in fsdp_full["params"].items())
-    first = [*steps[1:], FSDP, "--run.name=fsdp-then-single", "--train.max_steps=2"]
+    first = [*steps[1:], FSDP, "--run.id=fsdp-then-single", "--train.max_steps=2"]
     run_distributed(train_rank, 2, args=(str(tmp_path), first))
-    resumed = [*steps, "--run.name=fsdp-then-single", "--checkpoint.resume=true", "--train.micro_batch=8"]
+    resumed = [*steps, "--run.id=fsdp-then-single", "--checkpoint.resume=true", "--train.micro_batch=8"]
     single = run_distributed(train_rank, 1, args=(str(tmp_path), [*resumed, "--parallel.strategy=single"]))[0]
     _assert_close(single["params"], fsdp_full["params"], "fsdp 2 ranks -> single")
 
-    ddp_full = run_distributed(train_rank, 2, args=(str(tmp_path), [*steps, "--run.name=ddp-full"]))[0]
-    first = [*steps[1:], "--run.name=ddp-then-fsdp", "--train.max_steps=2"]
+    ddp_full = run_distributed(train_rank, 2, args=(str(tmp_path), [*steps, "--run.id=ddp-full"]))[0]
+    first = [*steps[1:], "--run.id=ddp-then-fsdp", "--train.max_steps=2"]
     run_distributed(train_rank, 2, args=(str(tmp_path), first))
-    then = [*steps, FSDP, "--run.name=ddp-then-fsdp", "--checkpoint.resume=true"]
+    then = [*steps, FSDP, "--run.id=ddp-then-fsdp", "--checkpoint.resume=true"]
     fsdp = run_distributed(train_rank, 2, args=(str(tmp_path), then))[0]
     _assert_close(fsdp["params"], ddp_full["params"], "ddp -> fsdp")

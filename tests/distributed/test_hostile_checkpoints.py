@@ -42,7 +42,7 @@ class Marker:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
-    run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.name=ref"]))
+    run_distributed(train_rank, 1, args=(str(root), [*RUN, "--run.id=ref"]))
     return root
 
 
@@ -83,9 +83,7 @@ def _forge_shard_value(ckpt: Path, marker: Path) -> None:
 
 
 def _resume(root: Path, name: str) -> dict[str, Any]:
-    (result,) = run_distributed(
-        train_rank, 1, args=(str(root), [*RUN, f"--run.name={name}", "--checkpoint.resume=true"])
-    )
+    (result,) = run_distributed(train_rank, 1, args=(str(root), [*RUN, f"--run.id={name}", "--checkpoint.resume=true"]))
     return result
 
 
@@ -234,7 +232,7 @@ def test_another_runs_checkpoint_copied_in_is_set_aside_before_it_collides(
     _copy(root, "foreign")
     shutil.copytree(run_dir / "checkpoints" / "step_00000006", run_dir / "checkpoints" / "step_00000009")
     (result,) = run_distributed(
-        train_rank, 1, args=(str(root), [*RUN, "--run.name=foreign", "--checkpoint.resume=true", "--train.max_steps=9"])
+        train_rank, 1, args=(str(root), [*RUN, "--run.id=foreign", "--checkpoint.resume=true", "--train.max_steps=9"])
     )
     log = capfd.readouterr().err
     assert "step_00000009 holds step 6, not 9: a checkpoint of another run" in log

@@ -31,7 +31,7 @@ PP = ["--parallel.pp=2", "--parallel.pipeline.microbatches=4"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("mp-ref")
-    overrides = [*BASE, "--train.micro_batch=8", "--parallel.strategy=single", "--run.name=ref"]
+    overrides = [*BASE, "--train.micro_batch=8", "--parallel.strategy=single", "--run.id=ref"]
     return run_distributed(train_rank, 1, args=(str(root), overrides))[0]
 
 
@@ -61,7 +61,7 @@ def test_every_pipeline_schedule_and_tensor_parallel_equal_one_process(
 ) -> None:
     runs = {f"pp {name}": [*PP, f"--parallel.pipeline.schedule={name}"] for name in SCHEDULES}
     runs["tp 2"] = ["--parallel.tp=2"]
-    overrides = [[*BASE, "--train.micro_batch=8", *extra, f"--run.name=r{i}"] for i, extra in enumerate(runs.values())]
+    overrides = [[*BASE, "--train.micro_batch=8", *extra, f"--run.id=r{i}"] for i, extra in enumerate(runs.values())]
     per_rank = run_distributed(train_rank_runs, 2, args=(str(tmp_path), overrides), timeout_s=60)
     for i, name in enumerate(runs):
         ranks = [per_rank[0][i], per_rank[1][i]]
@@ -79,10 +79,10 @@ def test_every_pipeline_schedule_and_tensor_parallel_equal_one_process(
 def test_pipeline_and_tensor_parallel_with_uneven_target_counts(tmp_path: Path) -> None:
     """Micro-batches whose target counts differ (ignore_index padding): the loss is normalised by the
     global batch's count whether the stages, the pipeline's pieces or tensor-parallel ranks compute it."""
-    single = [*BASE, "--train.micro_batch=8", "--parallel.strategy=single", "--run.name=ref"]
+    single = [*BASE, "--train.micro_batch=8", "--parallel.strategy=single", "--run.id=ref"]
     (reference,) = run_distributed(train_rank_runs, 1, args=(str(tmp_path), [single], True))
     runs = {"pp 1f1b": PP, "tp 2": ["--parallel.tp=2"]}  # 2 micro-steps of 4 (with different counts) per step
-    overrides = [[*BASE, "--train.micro_batch=4", *extra, f"--run.name=u{i}"] for i, extra in enumerate(runs.values())]
+    overrides = [[*BASE, "--train.micro_batch=4", *extra, f"--run.id=u{i}"] for i, extra in enumerate(runs.values())]
     per_rank = run_distributed(train_rank_runs, 2, args=(str(tmp_path), overrides, True), timeout_s=60)
     for i, name in enumerate(runs):
         _assert_matches([per_rank[0][i], per_rank[1][i]], reference[0], f"{name}, uneven target counts")
@@ -94,7 +94,7 @@ def test_pipeline_with_ddp_or_fsdp_and_tp_with_fsdp_on_4_ranks(reference: dict[s
         "pp 2 × fsdp 2": [*PP, "--parallel.strategy=fsdp"],
         "fsdp 2 × tp 2": ["--parallel.strategy=fsdp", "--parallel.tp=2"],
     }
-    overrides = [[*BASE, "--train.micro_batch=4", *extra, f"--run.name=r{i}"] for i, extra in enumerate(runs.values())]
+    overrides = [[*BASE, "--train.micro_batch=4", *extra, f"--run.id=r{i}"] for i, extra in enumerate(runs.values())]
     per_rank = run_distributed(train_rank_runs, 4, args=(str(tmp_path), overrides), timeout_s=60)
     for i, name in enumerate(runs):
         _assert_matches([results[i] for results in per_rank], reference, name)
@@ -103,7 +103,7 @@ def test_pipeline_with_ddp_or_fsdp_and_tp_with_fsdp_on_4_ranks(reference: dict[s
 
 
 def test_three_dimensions_pp_fsdp_tp_on_8_ranks(reference: dict[str, Any], tmp_path: Path) -> None:
-    overrides = [*BASE, "--train.micro_batch=4", *PP, "--parallel.strategy=fsdp", "--parallel.tp=2", "--run.name=3d"]
+    overrides = [*BASE, "--train.micro_batch=4", *PP, "--parallel.strategy=fsdp", "--parallel.tp=2", "--run.id=3d"]
     ranks = run_distributed(train_rank, 8, args=(str(tmp_path), overrides), timeout_s=60)
     _assert_matches(ranks, reference, "pp 2 × fsdp 2 × tp 2")
 
@@ -115,15 +115,15 @@ def test_checkpoints_move_between_pipeline_tensor_parallel_and_one_process(tmp_p
     steps = [*BASE, "--train.micro_batch=8", "--checkpoint.every=2"]
     cut = "--train.max_steps=2", "--checkpoint.final=true"  # stopped after step 2, with its checkpoint
     runs = [
-        [*steps, *PP, "--run.name=full"],
-        [*steps, *PP, "--run.name=pp-cut", *cut],
-        [*steps, "--parallel.tp=2", "--run.name=tp-cut", *cut],
-        [*steps, *PP, "--run.name=tp-cut", "--checkpoint.resume=true"],
+        [*steps, *PP, "--run.id=full"],
+        [*steps, *PP, "--run.id=pp-cut", *cut],
+        [*steps, "--parallel.tp=2", "--run.id=tp-cut", *cut],
+        [*steps, *PP, "--run.id=tp-cut", "--checkpoint.resume=true"],
     ]
     full, _, _, from_tp = zip(*run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs)), strict=True)
     uninterrupted = {**full[0], "params": _whole(list(full))}
     _assert_matches(list(from_tp), uninterrupted, "tp 2 -> pp 2")
-    resumed = [*steps, "--run.name=pp-cut", "--checkpoint.resume=true", "--parallel.strategy=single"]
+    resumed = [*steps, "--run.id=pp-cut", "--checkpoint.resume=true", "--parallel.strategy=single"]
     single = run_distributed(train_rank, 1, args=(str(tmp_path), resumed))[0]
     _assert_matches([single], uninterrupted, "pp 2 -> single")
     for name in ("tp-cut", "pp-cut"):  # each continued from step 2 (a fresh start would log 1, 2 again)
@@ -139,7 +139,7 @@ def test_models_built_on_the_meta_device_train_like_whole_ones(reference: dict[s
         "fsdp 4, meta": ["--parallel.strategy=fsdp", "--train.micro_batch=2"],
         "pp 2 × tp 2, meta": [*PP, "--parallel.tp=2", "--train.micro_batch=8"],
     }
-    overrides = [[*BASE, meta, *extra, f"--run.name=m{i}"] for i, extra in enumerate(runs.values())]
+    overrides = [[*BASE, meta, *extra, f"--run.id=m{i}"] for i, extra in enumerate(runs.values())]
     per_rank = run_distributed(train_rank_runs, 4, args=(str(tmp_path), overrides), timeout_s=60)
     for i, name in enumerate(runs):
         ranks = [results[i] for results in per_rank]

@@ -22,7 +22,7 @@ RUN = ["--train.micro_batch=4", "--train.global_batch=8", "--train.max_steps=5",
 
 def test_skip_policy_skips_the_step_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "rank=1,step=3,kind=nan")
-    r0, r1 = run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=skip", "--run.name=s"]))
+    r0, r1 = run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=skip", "--run.id=s"]))
     for key, value in r0["params"].items():
         assert torch.isfinite(value).all() and torch.equal(value, r1["params"][key]), key
     records = [json.loads(line) for line in (tmp_path / "runs" / "s" / "metrics.jsonl").read_text().splitlines()]
@@ -35,11 +35,11 @@ def test_abort_policy_names_the_step_and_the_rank(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv(ENV_VAR, "rank=1,step=3,kind=nan")
     expected = r"non-finite gradient norm at step 3 \(the loss was non-finite on rank\(s\) \[1\]\)"
     with pytest.raises(DistributedTestError, match=expected):
-        run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=abort", "--run.name=a"]))
+        run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=abort", "--run.id=a"]))
 
 
 def test_too_many_skips_in_a_row_abort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, ";".join(f"rank=0,step={s},kind=nan" for s in (2, 3, 4)))
-    overrides = [*RUN, "--train.nonfinite=skip", "--train.max_skipped_steps=2", "--run.name=k"]
+    overrides = [*RUN, "--train.nonfinite=skip", "--train.max_skipped_steps=2", "--run.id=k"]
     with pytest.raises(DistributedTestError, match=r"3 steps in a row were skipped"):
         run_distributed(train_rank, 2, args=(str(tmp_path), overrides))

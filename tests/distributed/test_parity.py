@@ -38,7 +38,7 @@ def _train_all(root: Path, padded: bool) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for world in (1, 2):
         names = [name for name, (w, _) in SETUPS.items() if w == world]
-        runs = [[*SETUPS[name][1], f"--run.name={world}-{i}"] for i, name in enumerate(names)]
+        runs = [[*SETUPS[name][1], f"--run.id={world}-{i}"] for i, name in enumerate(names)]
         per_rank = run_distributed(train_rank_runs, world, args=(str(root), runs, padded), timeout_s=60)
         for i, name in enumerate(names):
             if world > 1:  # DDP keeps replicas identical

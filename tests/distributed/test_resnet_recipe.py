@@ -16,7 +16,7 @@ import torch
 
 from support import assert_same_training
 from trainmesh.checkpoint import list_checkpoints
-from trainmesh.config.validate import load_config
+from trainmesh.job import load_config
 from trainmesh.testing import run_distributed
 from trainmesh.worker import run_worker
 
@@ -42,7 +42,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def resnet_rank(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
     config = load_config(None, [*TINY, f"--run.out_dir={root}/runs", *overrides], "resnet")
-    run_dir = Path(root) / "runs" / config.run.name
+    run_dir = Path(root) / "runs" / config.run.id
     result = run_worker(config, run_dir)
     train = [r for r in _records(run_dir) if r["kind"] == "train"] if rank == 0 else []
     return {
@@ -81,16 +81,16 @@ def _assert_same(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
 
 def test_sync_batchnorm_on_2_ranks_equals_one_process(tmp_path: Path) -> None:
     batch = ["--train.global_batch=16"]
-    single = _run(tmp_path, 1, [*batch, "--train.micro_batch=16", "--model.norm=sync_batch", "--run.name=single"])
-    synced = _run(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=synced"])
+    single = _run(tmp_path, 1, [*batch, "--train.micro_batch=16", "--model.norm=sync_batch", "--run.id=single"])
+    synced = _run(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.id=synced"])
     _assert_same(synced["state"], single["state"])
     assert_same_training(synced, single, "sync_batch, 2 ranks")
-    local = _state(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=batch", "--run.name=local"])
+    local = _state(tmp_path, 2, [*batch, "--train.micro_batch=8", "--model.norm=batch", "--run.id=local"])
     with pytest.raises(AssertionError):  # per-rank statistics: the comparison above would catch them
         _assert_same(local, single["state"])
     # 2 pipeline stages × 2 DDP replicas: SyncBatchNorm over the 2 replicas of each stage only; one
     # pipeline micro-batch, so each BatchNorm sees the same 8 + 8 samples as above.
-    pipeline = [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.name=pp"]
+    pipeline = [*batch, "--train.micro_batch=8", "--model.norm=sync_batch", "--run.id=pp"]
     pipeline += ["--parallel.pp=2", "--parallel.pipeline.microbatches=1", "--parallel.pipeline.schedule=gpipe"]
     ranks = run_distributed(resnet_rank, 4, args=(str(tmp_path), pipeline), timeout_s=60)
     stages = {**ranks[0]["state"], **ranks[2]["state"]}  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
@@ -107,13 +107,13 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
         "--checkpoint.every=3",
         "--checkpoint.final=true",
     ]
-    full = _state(tmp_path, 2, [*common, "--run.name=full"])
+    full = _state(tmp_path, 2, [*common, "--run.id=full"])
     runs = tmp_path / "runs"
     shutil.copytree(runs / "full", runs / "resumed")  # as if killed right after the step-3 checkpoint
     for checkpoint in list_checkpoints(runs / "resumed")[1:]:
         shutil.rmtree(checkpoint)
     (runs / "resumed" / "metrics.jsonl").unlink()
-    resumed = _state(tmp_path, 2, [*common, "--run.name=resumed", "--checkpoint.resume=true"])
+    resumed = _state(tmp_path, 2, [*common, "--run.id=resumed", "--checkpoint.resume=true"])
     for key, value in full.items():
         assert torch.equal(resumed[key], value), key
     # It really continued from step 3 (a fresh start would end the same: the run is deterministic).
@@ -132,7 +132,7 @@ def test_training_reports_validation_top1(tmp_path: Path) -> None:
         "--optim.lr=1e-2",
         "--optim.warmup_steps=5",
         "--data.val_fraction=0.2",
-        "--run.name=top1",
+        "--run.id=top1",
     ]
     run_distributed(resnet_rank, 2, args=(str(tmp_path), overrides), timeout_s=60)
     val = [r for r in _records(tmp_path / "runs" / "top1") if r["kind"] == "val"]

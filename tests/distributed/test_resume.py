@@ -30,9 +30,9 @@ def _interrupted_copy(root: Path, name: str) -> None:
 
 def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     common = [*COMMON, "--model.dropout=0.1", "--checkpoint.final=true"]
-    full = run_distributed(train_rank, 2, args=(str(tmp_path), [*common, "--run.name=full"]))
+    full = run_distributed(train_rank, 2, args=(str(tmp_path), [*common, "--run.id=full"]))
     _interrupted_copy(tmp_path, "resumed")
-    resume = [*common, "--run.name=resumed", "--checkpoint.resume=true"]
+    resume = [*common, "--run.id=resumed", "--checkpoint.resume=true"]
     resumed = run_distributed(train_rank, 2, args=(str(tmp_path), resume))
     for key, value in full[0]["params"].items():
         assert torch.equal(resumed[0]["params"][key], value), key
@@ -40,10 +40,10 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
-    full = run_distributed(train_rank, 2, args=(str(tmp_path), [*COMMON, "--run.name=full"]))
+    full = run_distributed(train_rank, 2, args=(str(tmp_path), [*COMMON, "--run.id=full"]))
     _interrupted_copy(tmp_path, "one")
     # One rank now does the work of two: micro-batch 8, the same global batch and sample order.
-    one = [*COMMON, "--train.micro_batch=8", "--run.name=one", "--checkpoint.resume=true"]
+    one = [*COMMON, "--train.micro_batch=8", "--run.id=one", "--checkpoint.resume=true"]
     resumed = run_distributed(train_rank, 1, args=(str(tmp_path), one))
     for key, value in full[0]["params"].items():
         torch.testing.assert_close(resumed[0]["params"][key], value, atol=2e-5, rtol=1e-4, msg=key)
@@ -52,7 +52,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
 def test_a_model_that_does_not_match_the_checkpoint_is_refused_with_the_keys(tmp_path: Path) -> None:
     """Resuming a 2-layer run's checkpoint with 3 layers and a wider embedding: every missing or
     reshaped parameter is named, and nothing is loaded."""
-    first = ["--train.max_steps=2", "--checkpoint.final=true", "--run.name=mm"]
+    first = ["--train.max_steps=2", "--checkpoint.final=true", "--run.id=mm"]
     run_distributed(train_rank, 1, args=(str(tmp_path), first))
     changed = [*first, "--train.max_steps=4", "--checkpoint.resume=true", "--model.n_layer=3", "--model.n_embd=48"]
     with pytest.raises(DistributedTestError, match="holds a different model; nothing was loaded") as info:

@@ -34,7 +34,7 @@ class Trained(NamedTuple):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     root = tmp_path_factory.mktemp("ckpt")
-    overrides = ["--train.max_steps=2", "--checkpoint.every=1", "--checkpoint.final=true", "--run.name=r"]
+    overrides = ["--train.max_steps=2", "--checkpoint.every=1", "--checkpoint.final=true", "--run.id=r"]
     [result] = run_distributed(train_rank, 1, args=(str(root), overrides))
     shutil.copytree(root / "runs" / "r", root / "pristine", symlinks=True)
     return Trained(root / "runs" / "r", root / "pristine", result["params"])

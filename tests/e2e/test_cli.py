@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from support import nano_toml, train_rank
+from support import assert_config_recorded, nano_toml, train_rank
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.cli import main
-from trainmesh.runtime.env import free_port
+from trainmesh.core.env import free_port
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def _records(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _assert_complete_run(run_dir: Path, steps: int) -> None:
-    assert (run_dir / "config.toml").is_file()
+    assert assert_config_recorded(run_dir) >= 1  # config.toml is what every checkpoint records
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert list((run_dir / "checkpoints").glob("step_*/.metadata"))
@@ -78,7 +78,7 @@ def test_trainmesh_run_gpt_on_two_processes(tmp_path: Path) -> None:
 
 def test_plain_python_single_process(tmp_path: Path) -> None:
     config = nano_toml(tmp_path)
-    overrides = ["--train.max_steps=40", "--checkpoint.final=true", "--run.name=single"]
+    overrides = ["--train.max_steps=40", "--checkpoint.final=true", "--run.id=single"]
     result = _run(sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), *overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_complete_run(tmp_path / "runs" / "single", 40)
@@ -117,7 +117,7 @@ def test_slurm_environment(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "77",
         "MASTER_PORT": str(free_port()),
     }
-    task = [sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), "--train.max_steps=4", "--run.name=s"]
+    task = [sys.executable, "-m", "trainmesh", "gpt", "--config", str(config), "--train.max_steps=4", "--run.id=s"]
     envs = [{**ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)]
     errors = _run_together([task, task], envs, tmp_path)
     assert "2 data-parallel rank" in errors[0]
@@ -127,7 +127,7 @@ def test_two_simulated_nodes_match_one_node(tmp_path: Path) -> None:
     """Two launcher agents (--nnodes 2, c10d rendezvous on loopback) train exactly like one node of 2."""
     config = nano_toml(tmp_path)
     common = ["--config", str(config), "--", "--train.max_steps=6"]
-    run_distributed(train_rank, 2, args=(str(tmp_path), ["--train.max_steps=6", "--run.name=one"]))  # one node
+    run_distributed(train_rank, 2, args=(str(tmp_path), ["--train.max_steps=6", "--run.id=one"]))  # one node
     endpoint = f"127.0.0.1:{free_port()}"
     node_args = ["run", "gpt", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t2"]
     agent = [str(BIN / "trainmesh"), *node_args, "--run-id", "two", *common]
@@ -179,7 +179,7 @@ def test_env_and_check_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 
 def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> None:
     config = nano_toml(tmp_path)
-    overrides = ["--train.max_steps=3", "--train.compile=true", "--checkpoint.final=true", "--run.name=c"]
+    overrides = ["--train.max_steps=3", "--train.compile=true", "--checkpoint.final=true", "--run.id=c"]
     result = _run(
         sys.executable,
         "-m",

@@ -22,7 +22,7 @@ import pytest
 
 from support import descendants, nano_toml
 from trainmesh.checkpoint import latest_checkpoint, verify
-from trainmesh.runtime.env import free_port
+from trainmesh.core.env import free_port
 
 pytestmark = pytest.mark.slow
 

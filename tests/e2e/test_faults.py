@@ -67,7 +67,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor], dict[int, float]]:
     root = tmp_path_factory.mktemp("faults")
     # In this process's workers (the same worker code and config as `trainmesh run`, without its start-up)
-    run_distributed(train_rank, 2, args=(str(root), [*OVERRIDES, "--run.name=reference"]))
+    run_distributed(train_rank, 2, args=(str(root), [*OVERRIDES, "--run.id=reference"]))
     run_dir = root / "runs" / "reference"
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == "step_00000008"
@@ -141,7 +141,7 @@ STOP = ["--train.max_steps=60", "--checkpoint.final=true", "--model.dropout=0.1"
 @pytest.fixture(scope="module")
 def stop_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("stop")
-    run_distributed(train_rank, 2, args=(str(root), [*STOP, "--run.name=ref"]))
+    run_distributed(train_rank, 2, args=(str(root), [*STOP, "--run.id=ref"]))
     return root, read_full_state(latest_checkpoint(root / "runs" / "ref"))["model"]  # type: ignore[arg-type]
 
 

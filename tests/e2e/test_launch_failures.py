@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import descendants, nano_toml
-from trainmesh.runtime.env import free_port
+from trainmesh.core.env import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from e2e.scripts.consumed_ids import IdLoggingRecipe
 from support import nano_toml
-from trainmesh.config.validate import load_config
+from trainmesh.job import load_config
 from trainmesh.testing import run_distributed
 from trainmesh.worker import run_worker
 

@@ -4,6 +4,7 @@ fused AdamW, TF32, and DDP over NCCL. Run with `make gpu-check` (see docs/gpu.md
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ from torch import nn
 
 from support import assert_learned, nano_config, train_rank, train_records, val_losses
 from trainmesh.checkpoint import list_checkpoints
-from trainmesh.config.validate import load_config
+from trainmesh.config.schema import DistConfig
 from trainmesh.faults import ENV_VAR
+from trainmesh.job import load_config
 from trainmesh.metrics.mfu import device_peak
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.testing import run_distributed
@@ -43,14 +45,14 @@ RESNET = [
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_gpt_trains_on_one_gpu(tmp_path: Path, precision: str) -> None:
-    overrides = [f"--train.precision={precision}", "--train.max_steps=20", f"--run.name={precision}"]
+    overrides = [f"--train.precision={precision}", "--train.max_steps=20", f"--run.id={precision}"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     assert_learned(tmp_path / "runs" / precision, by=1.0)  # fp32 on CPU: 5.49 -> 4.10 in these 20 steps
 
 
 def resnet_rank(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
     config = load_config(None, [*RESNET, f"--run.out_dir={root}/runs", *overrides], "resnet")
-    result = run_worker(config, Path(root) / "runs" / config.run.name)
+    result = run_worker(config, Path(root) / "runs" / config.run.id)
     model = result.model
     return {
         "channels_last": all(
@@ -63,7 +65,7 @@ def resnet_rank(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_resnet_trains_on_one_gpu(tmp_path: Path, precision: str) -> None:
-    overrides = [f"--train.precision={precision}", f"--run.name={precision}"]
+    overrides = [f"--train.precision={precision}", f"--run.id={precision}"]
     run_distributed(resnet_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     assert_learned(tmp_path / "runs" / precision, by=0.3)  # 32-true on an H100: 2.39 -> 1.89 in these 30 steps
 
@@ -77,7 +79,7 @@ def test_channels_last_resnet_with_sync_batchnorm_over_nccl(tmp_path: Path) -> N
         "--parallel.strategy=ddp",
         "--dist.backend=nccl",
         "--train.precision=bf16-mixed",
-        "--run.name=cl",
+        "--run.id=cl",
     ]
     (result,) = run_distributed(resnet_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     assert result["channels_last"]
@@ -87,7 +89,7 @@ def test_channels_last_resnet_with_sync_batchnorm_over_nccl(tmp_path: Path) -> N
 def test_fp16_overflow_is_skipped_and_lowers_the_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN loss at step 3 under 16-mixed: the GradScaler skips that step, halves its scale, training goes on."""
     monkeypatch.setenv(ENV_VAR, "rank=0,step=3,kind=nan")
-    overrides = ["--train.precision=16-mixed", "--train.max_steps=20", "--checkpoint.final=true", "--run.name=o"]
+    overrides = ["--train.precision=16-mixed", "--train.max_steps=20", "--checkpoint.final=true", "--run.id=o"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     run_dir = tmp_path / "runs" / "o"
     assert train_records(run_dir)[-1]["skipped_steps"] == 1
@@ -99,7 +101,7 @@ def test_fp16_overflow_is_skipped_and_lowers_the_scale(tmp_path: Path, monkeypat
 def compiled_rank(rank: int, root: str, overrides: list[str]) -> list[str]:
     """The modules that were compiled (nn.Module.compile sets the module's compiled call), by name."""
     config = nano_config(Path(root), *overrides)
-    result = run_worker(config, Path(root) / "runs" / config.run.name)
+    result = run_worker(config, Path(root) / "runs" / config.run.id)
     return [name for name, m in result.model.named_modules() if getattr(m, "_compiled_call_impl", None)]
 
 
@@ -109,7 +111,7 @@ def compiled_rank(rank: int, root: str, overrides: list[str]) -> list[str]:
 def test_compile_trains_the_whole_model_or_each_block(tmp_path: Path, strategy: str, compiled: list[str]) -> None:
     """One graph for the whole model where nothing is sharded (under ddp, the module inside the wrapper,
     so that evaluation compiles too); one per block under fsdp."""
-    overrides = ["--train.compile=true", "--train.precision=bf16-mixed", "--train.max_steps=20", "--run.name=c"]
+    overrides = ["--train.compile=true", "--train.precision=bf16-mixed", "--train.max_steps=20", "--run.id=c"]
     overrides += [f"--parallel.strategy={strategy}", "--dist.backend=auto" if strategy == "single" else NCCL]
     (names,) = run_distributed(compiled_rank, 1, args=(str(tmp_path), overrides), timeout_s=300)
     assert names == compiled
@@ -120,15 +122,15 @@ def test_fused_adamw_on_cuda() -> None:
     config = load_config(None, [], "gpt")
     model = nn.Linear(8, 8, device="cuda")
     assert build_optimizer(model, config.optim, torch.device("cuda")).defaults["fused"] is True
-    config.optim.fused = "false"
-    assert not build_optimizer(model, config.optim, torch.device("cuda")).defaults["fused"]
+    off = replace(config.optim, fused=False)
+    assert not build_optimizer(model, off, torch.device("cuda")).defaults["fused"]
 
 
 @pytest.mark.parametrize("tf32", [True, False])
 def test_tf32_switch(tf32: bool) -> None:
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        rt = Runtime(device="cuda", tf32=tf32)
+        rt = Runtime(dist=DistConfig(device="cuda"), tf32=tf32)
         assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
         assert torch.backends.cudnn.allow_tf32 is tf32
         peak = device_peak(rt.device, torch.float32, rt.tf32)
@@ -148,17 +150,17 @@ def test_ddp_over_nccl_matches_single_gpu(tmp_path: Path) -> None:
     world = torch.cuda.device_count()
     batch = f"--train.global_batch={4 * world}"
     exact = "--train.tf32=false"  # the two runs sum in different orders; TF32 would blur that to 1e-3
-    ddp_run = ["--train.micro_batch=4", batch, exact, "--dist.backend=nccl", "--parallel.strategy=ddp", "--run.name=d"]
+    ddp_run = ["--train.micro_batch=4", batch, exact, "--dist.backend=nccl", "--parallel.strategy=ddp", "--run.id=d"]
     ddp = run_distributed(train_rank, world, args=(str(tmp_path), ddp_run), timeout_s=120)
     single = run_distributed(
-        train_rank, 1, args=(str(tmp_path), [f"--train.micro_batch={4 * world}", batch, exact, "--run.name=s"])
+        train_rank, 1, args=(str(tmp_path), [f"--train.micro_batch={4 * world}", batch, exact, "--run.id=s"])
     )
     for key, value in single[0]["params"].items():
         torch.testing.assert_close(ddp[0]["params"][key], value, atol=1e-5, rtol=1e-4)
 
 
 def test_bf16_compression_hook_on_nccl(tmp_path: Path) -> None:
-    overrides = ["--parallel.strategy=ddp", "--parallel.ddp.comm_hook=bf16", "--train.max_steps=10", "--run.name=h"]
+    overrides = ["--parallel.strategy=ddp", "--parallel.ddp.comm_hook=bf16", "--train.max_steps=10", "--run.id=h"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     untrained, *_, trained = val_losses(tmp_path / "runs" / "h")
     assert trained < untrained - 0.5, (untrained, trained)

@@ -16,8 +16,8 @@ from torch import nn
 
 from support import assert_learned, nano_config, nano_toml, train_rank
 from trainmesh.checkpoint import list_checkpoints
+from trainmesh.core.env import free_port
 from trainmesh.layers import SyncBatchNorm
-from trainmesh.runtime.env import free_port
 from trainmesh.testing import run_distributed
 from trainmesh.worker import run_worker
 
@@ -39,7 +39,7 @@ STEPS = ["--train.max_steps=20", "--train.precision=bf16-mixed"]
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_under_trainmesh_run(tmp_path: Path, layout: str) -> None:
     cmd = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "1"]
-    cmd += [*LAYOUTS[layout], *STEPS, f"--run.name={layout}"]
+    cmd += [*LAYOUTS[layout], *STEPS, f"--run.id={layout}"]
     env = {**os.environ, "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -52,7 +52,7 @@ def test_layout_in_process(tmp_path: Path, layout: str, monkeypatch: pytest.Monk
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     for key, value in {**env, "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
-    config = nano_config(tmp_path, *LAYOUTS[layout], *STEPS, f"--run.name={layout}")
+    config = nano_config(tmp_path, *LAYOUTS[layout], *STEPS, f"--run.id={layout}")
     result = run_worker(config, tmp_path / "runs" / layout)
     assert not torch.distributed.is_initialized()  # torn down: the next test may start its own group
     assert result.steps == 20
@@ -93,11 +93,11 @@ def test_async_checkpoint_from_gpu_resumes_exactly(tmp_path: Path) -> None:
     full fp32, dropout on so the RNG state matters)."""
     common = [*LAYOUTS["ddp"], "--run.deterministic=true", "--train.tf32=false", "--checkpoint.async_save=true"]
     common += ["--train.max_steps=10", "--checkpoint.every=5", "--checkpoint.final=true", "--model.dropout=0.1"]
-    whole = run_distributed(train_rank, 1, args=(str(tmp_path), [*common, "--run.name=whole"]), timeout_s=120)
+    whole = run_distributed(train_rank, 1, args=(str(tmp_path), [*common, "--run.id=whole"]), timeout_s=120)
     shutil.copytree(tmp_path / "runs" / "whole", tmp_path / "runs" / "cut")
     shutil.rmtree(list_checkpoints(tmp_path / "runs" / "cut")[-1])
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "cut")] == ["step_00000005"]
-    resume = [*common, "--run.name=cut", "--checkpoint.resume=true"]
+    resume = [*common, "--run.id=cut", "--checkpoint.resume=true"]
     resumed = run_distributed(train_rank, 1, args=(str(tmp_path), resume), timeout_s=120)
     for key, value in whole[0]["params"].items():
         assert torch.equal(resumed[0]["params"][key], value), key

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 def _train(rank: int, root: str, overrides: list[str]) -> None:
     config = nano_config(Path(root), *overrides)
-    run_worker(config, Path(root) / "runs" / config.run.name)
+    run_worker(config, Path(root) / "runs" / config.run.id)
 
 
 def test_mfu_and_peak_memory_are_plausible_for_gpt2_small(tmp_path: Path) -> None:
@@ -34,7 +34,7 @@ def test_mfu_and_peak_memory_are_plausible_for_gpt2_small(tmp_path: Path) -> Non
         "--train.precision=bf16-mixed",
         "--train.max_steps=12",
         "--run.log_every=4",
-        "--run.name=m",
+        "--run.id=m",
     ]
     run_distributed(_train, 1, args=(str(tmp_path), overrides), timeout_s=180)
     last = train_records(tmp_path / "runs" / "m")[-1]  # steps 9-12: past the first steps' allocations
@@ -45,7 +45,7 @@ def test_mfu_and_peak_memory_are_plausible_for_gpt2_small(tmp_path: Path) -> Non
 
 def test_profiler_trace_holds_cuda_kernels_and_the_step_phases(tmp_path: Path) -> None:
     overrides = ["--profile.enabled=true", "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"]
-    overrides += ["--train.max_steps=6", "--run.name=p"]
+    overrides += ["--train.max_steps=6", "--run.id=p"]
     run_distributed(_train, 1, args=(str(tmp_path), overrides), timeout_s=120)
     (trace,) = (tmp_path / "runs" / "p" / "profile" / "rank_0").glob("*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
@@ -68,7 +68,7 @@ def _out_of_memory_rank(rank: int, root: str, overrides: list[str]) -> dict[str,
 
 
 def test_out_of_memory_writes_a_memory_snapshot(tmp_path: Path) -> None:
-    overrides = ["--model.size=gpt2", "--profile.oom_snapshot=true", "--run.name=oom"]
+    overrides = ["--model.size=gpt2", "--profile.oom_snapshot=true", "--run.id=oom"]
     (result,) = run_distributed(_out_of_memory_rank, 1, args=(str(tmp_path), overrides), timeout_s=120)
     assert result, "the run did not run out of memory"
     assert result["segments"] > 0 and result["traces"] > 0

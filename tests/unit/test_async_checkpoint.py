@@ -28,7 +28,7 @@ def test_saver_survives_a_stager_that_clears_itself_after_each_stage(
 
     monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
     monkeypatch.setattr(saver, "FRESH_STAGER_PER_SAVE", True)  # what the saver does on such a torch
-    overrides = ["--checkpoint.async_save=true", "--checkpoint.every=2", "--train.max_steps=6", "--run.name=a"]
+    overrides = ["--checkpoint.async_save=true", "--checkpoint.every=2", "--train.max_steps=6", "--run.id=a"]
     run_worker(nano_config(tmp_path, *overrides, "--checkpoint.final=true"), tmp_path / "runs" / "a")
     assert [p.name for p in list_checkpoints(tmp_path / "runs" / "a")] == [f"step_0000000{s}" for s in (2, 4, 6)]
 
@@ -46,6 +46,6 @@ def test_one_stager_serves_every_save_where_torch_keeps_it_whole(
 
     monkeypatch.setattr(DefaultStager, "__init__", counted)
     monkeypatch.setattr(saver, "FRESH_STAGER_PER_SAVE", False)
-    overrides = ["--checkpoint.async_save=true", "--checkpoint.every=2", "--train.max_steps=6", "--run.name=b"]
+    overrides = ["--checkpoint.async_save=true", "--checkpoint.every=2", "--train.max_steps=6", "--run.id=b"]
     run_worker(nano_config(tmp_path, *overrides, "--checkpoint.final=true"), tmp_path / "runs" / "b")
     assert len(list_checkpoints(tmp_path / "runs" / "b")) == 3 and len(made) == 1

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from trainmesh.config import ConfigError, build_config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict, parse_override
-from trainmesh.config.validate import load_config
+from trainmesh.config.schema import SampleConfig
+from trainmesh.job import load_config
 from trainmesh.recipes.gpt import GPTConfig
 
 
@@ -87,17 +89,17 @@ def test_shipped_configs_load() -> None:
 
 
 def test_config_reference_is_up_to_date() -> None:
-    from trainmesh.config.reference import render
+    from trainmesh.reference import render
 
     doc = Path(__file__).parents[2] / "docs" / "config.md"
-    assert doc.read_text() == render(), "regenerate: python -m trainmesh.config.reference > docs/config.md"
+    assert doc.read_text() == render(), "regenerate: python -m trainmesh.reference > docs/config.md"
 
 
 def test_derived_values_are_filled_in_at_load_time(tmp_path: Path) -> None:
     assert load_config(None, [], "gpt").model.vocab_size == 256  # type: ignore[attr-defined]
     assert load_config(None, ["--model.vocab_size=300"], "gpt").model.vocab_size == 300  # type: ignore[attr-defined]
-    shards = load_config(None, [f"--data.source={tmp_path}"], "gpt")  # a folder of shards: the config must say
-    assert shards.model.vocab_size == 0  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"pre-tokenised shards.*Fix: set --model.vocab_size"):
+        load_config(None, [f"--data.source={tmp_path}"], "gpt")  # a folder of shards: the config must say
 
 
 @pytest.mark.parametrize(
@@ -105,8 +107,7 @@ def test_derived_values_are_filled_in_at_load_time(tmp_path: Path) -> None:
 )
 def test_the_written_config_reads_back_whatever_the_strings_hold(tmp_path: Path, odd: str) -> None:
     """A prompt with \\r or another control character once made a config.toml no worker could read."""
-    config = load_config(None, [], "gpt")
-    config.sample.prompt = odd
+    config = replace(load_config(None, [], "gpt"), sample=SampleConfig(prompt=odd))
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(config_to_dict(config)))
     assert load_config(path, [], "gpt").sample.prompt == odd
@@ -124,3 +125,15 @@ def test_an_error_in_a_config_file_names_the_file_and_one_from_a_flag_names_the_
     path.write_text("[train]\nmicro_batchh = 4\n")
     with pytest.raises(ConfigError, match=r"^config file '.*exp.toml': unknown config key 'train.micro_batchh'"):
         load_config(path, [], "gpt")
+
+
+def test_tri_state_options_are_true_false_or_unset() -> None:
+    """optim.fused and model.hflip: true | false | unset ("auto", or left out), typed bool | None."""
+    assert load_config(None, [], "gpt").optim.fused is None
+    assert load_config(None, ["--optim.fused=auto"], "gpt").optim.fused is None
+    assert load_config(None, ["--optim.fused=false"], "gpt").optim.fused is False
+    assert load_config(None, ['--optim.fused="true"'], "gpt").optim.fused is True  # a string, as TOML files had it
+    with pytest.raises(ConfigError, match=r"'optim.fused' expects true or false, or \"auto\" \(unset\), got 'maybe'"):
+        load_config(None, ["--optim.fused=maybe"], "gpt")
+    digits, folder = load_config(None, [], "resnet").model, load_config(None, ["--model.hflip=true"], "resnet").model
+    assert (digits.hflip, folder.hflip) == (False, True)  # type: ignore[attr-defined]  # unset: by the data

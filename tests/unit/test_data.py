@@ -114,7 +114,7 @@ def test_loader_worker_processes_feed_the_same_batches(tmp_path: Path) -> None:
     """data.num_workers > 0 (what GPU configs use, so loading overlaps the step) trains on the same samples in
     the same order as loading in the training process: the same losses, step for step."""
     for workers in (0, 2):
-        config = nano_config(tmp_path, f"--data.num_workers={workers}", f"--run.name=w{workers}")
+        config = nano_config(tmp_path, f"--data.num_workers={workers}", f"--run.id=w{workers}")
         run_worker(config, tmp_path / "runs" / f"w{workers}")
     losses = [[r["loss"] for r in train_records(tmp_path / "runs" / f"w{w}")] for w in (0, 2)]
     assert len(losses[0]) == 4 and losses[0] == losses[1]

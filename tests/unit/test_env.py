@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmesh.runtime.env import DistEnv, expand_slurm_nodelist
+from trainmesh.core.env import DistEnv, expand_slurm_nodelist
 
 
 def test_single_process() -> None:

@@ -6,22 +6,23 @@ import pytest
 
 from support import nano_config
 from trainmesh.config import ConfigError
-from trainmesh.config.validate import load_config, validate
+from trainmesh.config.schema import ParallelConfig
+from trainmesh.job import load_config, resolve
 from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, ResNetStage
-from trainmesh.strategies import MeshShape, resolve_parallelism
+from trainmesh.strategies import ParallelDims, resolve_parallelism
 from trainmesh.strategies.mesh import MeshError
 from trainmesh.strategies.pipeline import _merge
 
 
 def test_degrees_resolve_and_infer() -> None:
-    assert MeshShape.resolve(8) == MeshShape(dp_shard=8)
-    assert MeshShape.resolve(8, dp_replicate=2) == MeshShape(dp_replicate=2, dp_shard=4)
-    assert MeshShape.resolve(8, dp_replicate=-1, dp_shard=4) == MeshShape(dp_replicate=2, dp_shard=4)
-    assert MeshShape.resolve(8, pp=2, tp=2) == MeshShape(pp=2, dp_shard=2, tp=2)
-    assert MeshShape.resolve(8, pp=-1, dp_shard=2, tp=2) == MeshShape(pp=2, dp_shard=2, tp=2)
+    assert ParallelDims.resolve(8) == ParallelDims(dp_shard=8)
+    assert ParallelDims.resolve(8, dp_replicate=2) == ParallelDims(dp_replicate=2, dp_shard=4)
+    assert ParallelDims.resolve(8, dp_replicate=-1, dp_shard=4) == ParallelDims(dp_replicate=2, dp_shard=4)
+    assert ParallelDims.resolve(8, pp=2, tp=2) == ParallelDims(pp=2, dp_shard=2, tp=2)
+    assert ParallelDims.resolve(8, pp=-1, dp_shard=2, tp=2) == ParallelDims(pp=2, dp_shard=2, tp=2)
     # without sharding, data parallelism is replication: its degree is kept under dp_replicate
-    assert MeshShape.resolve(8, pp=2, sharded=False) == MeshShape(pp=2, dp_replicate=4)
-    assert MeshShape(pp=2, dp_shard=2, tp=2).describe() == "pp 2 × dp_shard 2 × tp 2"
+    assert ParallelDims.resolve(8, pp=2, sharded=False) == ParallelDims(pp=2, dp_replicate=4)
+    assert ParallelDims(pp=2, dp_shard=2, tp=2).describe() == "pp 2 × dp_shard 2 × tp 2"
 
 
 @pytest.mark.parametrize(
@@ -41,40 +42,40 @@ def test_degrees_resolve_and_infer() -> None:
 )
 def test_bad_degrees_name_the_keys_and_the_fix(world: int, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(MeshError, match="Fix|positive") as info:
-        MeshShape.resolve(world, **degrees)
+        ParallelDims.resolve(world, **degrees)
     assert message in str(info.value)
 
 
 def test_strategy_and_model_parallel_combinations() -> None:
-    assert resolve_parallelism("auto", 4, tp=2) == ("fsdp", MeshShape(dp_shard=2, tp=2))
-    assert resolve_parallelism("auto", 2, tp=2) == ("single", MeshShape(tp=2))
-    assert resolve_parallelism("auto", 4, pp=2) == ("ddp", MeshShape(pp=2, dp_replicate=2))
+    assert resolve_parallelism(ParallelConfig(tp=2), 4) == ("fsdp", ParallelDims(dp_shard=2, tp=2))
+    assert resolve_parallelism(ParallelConfig(tp=2), 2) == ("single", ParallelDims(tp=2))
+    assert resolve_parallelism(ParallelConfig(pp=2), 4) == ("ddp", ParallelDims(pp=2, dp_replicate=2))
     with pytest.raises(ValueError, match=r"'ddp' cannot combine with tensor parallelism.*--parallel.strategy=fsdp"):
-        resolve_parallelism("ddp", 4, tp=2)
+        resolve_parallelism(ParallelConfig(strategy="ddp", tp=2), 4)
     with pytest.raises(ValueError, match=r"'single' keeps one model replica.*leaves 2 data-parallel replicas"):
-        resolve_parallelism("single", 4, pp=2)
+        resolve_parallelism(ParallelConfig(strategy="single", pp=2), 4)
     with pytest.raises(ValueError, match=r"parallel.dp_shard=1 with parallel.dp_replicate=2 shards nothing"):
-        resolve_parallelism("fsdp", 2, dp_replicate=2, dp_shard=1)
+        resolve_parallelism(ParallelConfig(strategy="fsdp", dp_replicate=2, dp_shard=1), 2)
 
 
-def test_validate_checks_the_mesh_before_launch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_resolve_checks_the_mesh_before_launch(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = nano_config(tmp_path, "--parallel.strategy=fsdp", "--parallel.dp_replicate=3")
     with pytest.raises(ConfigError, match="does not divide the world size 4"):
-        validate(config, 4)
+        resolve(config, 4)
     fsdp = nano_config(tmp_path, "--parallel.strategy=fsdp", "--parallel.dp_replicate=2", "--train.global_batch=16")
-    assert validate(fsdp, 4).dp_size == 4
+    assert resolve(fsdp, 4).batch.dp_size == 4
     # pipeline and tensor peers read the same batch: the data-parallel size is what is left
     three_d = nano_config(tmp_path, "--parallel.pp=2", "--parallel.tp=2", "--train.global_batch=16")
-    assert validate(three_d, 8).dp_size == 2
+    assert resolve(three_d, 8).batch.dp_size == 2
 
 
 def test_pipeline_micro_batches_must_divide_the_micro_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = nano_config(tmp_path, "--parallel.pp=2", "--train.micro_batch=6", "--parallel.pipeline.microbatches=4")
     with pytest.raises(ConfigError, match=r"train.micro_batch=6 cannot be cut into.*microbatches=3"):
-        validate(config, 2)
+        resolve(config, 2)
     fp16 = nano_config(tmp_path, "--parallel.tp=2", "--train.precision=16-mixed")
     with pytest.raises(ConfigError, match=r"16-mixed.*--train.precision=bf16-mixed"):
-        validate(fp16, 2)
+        resolve(fp16, 2)
 
 
 PP_INTERLEAVED = ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"]
@@ -132,18 +133,18 @@ def test_model_parallel_settings_are_refused_before_launch_and_the_fix_works(
 ) -> None:
     base = ["--train.micro_batch=8", "--train.global_batch=0"]
     with pytest.raises(ConfigError, match="Fix") as info:
-        validate(nano_config(tmp_path, *base, *overrides), world)
+        resolve(nano_config(tmp_path, *base, *overrides), world)
     assert message in str(info.value)
     if fix[0] in str(info.value):  # a fix given as a flag is given whole
         assert all(f in str(info.value) for f in fix), str(info.value)
-    validate(nano_config(tmp_path, *base, *overrides, *fix), world)  # and it is a fix
+    resolve(nano_config(tmp_path, *base, *overrides, *fix), world)  # and it is a fix
 
 
 def test_the_resnet_recipe_refuses_tensor_parallelism_and_meta_builds() -> None:
     for key, message in (("--parallel.tp=2", "no tensor-parallel plan"), ("--parallel.meta_init=true", "meta")):
         config = load_config(None, [key, "--train.micro_batch=8"], "resnet")
         with pytest.raises(ConfigError, match=message):
-            validate(config, 2)
+            resolve(config, 2)
 
 
 def test_stages_held_by_one_rank_are_merged_at_every_depth() -> None:

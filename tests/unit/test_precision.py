@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh.config.validate import load_config
+from trainmesh.job import load_config
 from trainmesh.precision import build_precision, check_precision_supported
 from trainmesh.precision.amp import ScaledMixedPrecision
 from trainmesh.worker import run_worker
@@ -63,7 +63,7 @@ def test_bf16_true_trains_on_float_inputs(tmp_path: Path) -> None:
     """bf16-true has no autocast: the ResNet recipe's float32 images are cast to the bf16 model's dtype as
     they enter it (found on an H100: "Input type (FloatTensor) and weight type (BFloat16) ...")."""
     tiny = ["--model.width=4", "--model.image_size=16", "--train.max_steps=3", "--train.eval_samples=32"]
-    tiny += ["--run.progress=false", "--checkpoint.final=false", f"--run.out_dir={tmp_path}", "--run.name=b"]
+    tiny += ["--run.progress=false", "--checkpoint.final=false", f"--run.out_dir={tmp_path}", "--run.id=b"]
     config = load_config(None, [*tiny, "--train.precision=bf16-true"], "resnet")
     result = run_worker(config, tmp_path / "b")
     assert result.steps == 3 and math.isfinite(result.val_loss)

@@ -13,9 +13,9 @@ import torch
 from support import nano_config
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import ProfileConfig
+from trainmesh.core.dist import set_tf32
 from trainmesh.metrics import mfu
 from trainmesh.metrics.profiler import PHASES, StepProfiler
-from trainmesh.runtime.dist import set_tf32
 from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
@@ -25,7 +25,7 @@ def test_a_profiled_run_writes_a_trace_of_the_active_steps_with_every_phase(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     profile = ["--profile.enabled=true", "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"]
-    config = nano_config(tmp_path, *profile, "--train.max_steps=6", "--run.name=p")
+    config = nano_config(tmp_path, *profile, "--train.max_steps=6", "--run.id=p")
     run_worker(config, tmp_path / "runs" / "p")
     (trace,) = (tmp_path / "runs" / "p" / "profile" / "rank_0").glob("*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
@@ -38,7 +38,7 @@ def test_a_profiled_run_writes_a_trace_of_the_active_steps_with_every_phase(
 
 
 def test_without_profile_nothing_is_recorded(tmp_path: Path) -> None:
-    run_worker(nano_config(tmp_path, "--run.name=q"), tmp_path / "runs" / "q")
+    run_worker(nano_config(tmp_path, "--run.id=q"), tmp_path / "runs" / "q")
     assert not (tmp_path / "runs" / "q" / "profile").exists()
 
 

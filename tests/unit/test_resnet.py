@@ -13,7 +13,8 @@ from torch import nn
 
 from trainmesh import Runtime
 from trainmesh.config import ConfigError
-from trainmesh.config.validate import load_config
+from trainmesh.config.schema import DistConfig
+from trainmesh.job import load_config
 from trainmesh.layers import SyncBatchNorm, convert_sync_batchnorm
 from trainmesh.recipes.resnet import ResNet, ResNetConfig, ResNetRecipe
 from trainmesh.recipes.resnet.data import Augment, ImageDataset, TensorImages, load_image_data, split_ids
@@ -61,7 +62,7 @@ def test_config_checks_name_the_key() -> None:
     config = load_config(None, [], "resnet")
     model = config.model
     assert isinstance(model, ResNetConfig)
-    assert (model.num_classes, model.in_channels, model.hflip, model.stem) == (10, 1, "false", "small")
+    assert (model.num_classes, model.in_channels, model.hflip, model.stem) == (10, 1, False, "small")
 
 
 def test_digits_split_is_fixed_and_disjoint() -> None:
@@ -130,16 +131,15 @@ def test_image_folder_loader(tmp_path: Path) -> None:
     given = load_image_data(str(split), 16, 3, 0.5, Augment(0, False), seed=0)
     assert len(given.train) == 20 and len(given.val) == 20
     config = load_config(None, [f"--data.source={tmp_path}"], "resnet")
-    assert config.model.num_classes == 2 and config.model.hflip == "true"  # type: ignore[attr-defined]
+    assert config.model.num_classes == 2 and config.model.hflip is True  # type: ignore[attr-defined]
 
 
 def test_evaluation_reports_top1_from_one_forward() -> None:
     recipe = ResNetRecipe()
     config = load_config(None, ["--model.width=4", "--model.image_size=16"], "resnet")
-    runtime = Runtime(strategy="single", device="cpu")
-    recipe.prepare(config, runtime)
-    model = recipe.build_model(config)
-    _, val = recipe.datasets()
+    runtime = Runtime(strategy="single", dist=DistConfig(device="cpu"))
+    _, val = recipe.prepare(config, runtime)
+    model = recipe.build_model(config, runtime)
     ids = [[0, 1, 2, 3], [4, 5, 6]]
     loss, extra = _evaluate(model, val, ids, recipe, runtime)
     x = torch.stack([val[i][0] for i in range(7)])

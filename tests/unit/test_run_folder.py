@@ -20,19 +20,19 @@ from support import nano_config, train_rank
 from trainmesh import rundir
 from trainmesh.checkpoint.catalog import LATEST, make_checkpoint_root, write_latest
 from trainmesh.cli import main
-from trainmesh.config.validate import load_config
+from trainmesh.core.files import UnsafePathError, make_dirs, open_file, write_atomically
+from trainmesh.job import load_config
 from trainmesh.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir, hold_as_worker
-from trainmesh.runtime.files import UnsafePathError, make_dirs, open_file, write_atomically
 from trainmesh.testing import DistributedTestError, run_distributed
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
 from trainmesh.worker import run_worker
 
 
 @pytest.mark.parametrize("name", ["../../x", "/etc/cron.d/x", "a/b", "two\nlines", ".hidden", "..", "x" * 129])
-def test_run_names_are_one_safe_path_component(name: str) -> None:
-    with pytest.raises(ValueError, match="is not a run name: it must be one folder name"):
-        load_config(None, [f"--run.name={name}"], "gpt")
-    assert load_config(None, ["--run.name=gpt-exp1_v2.0"], "gpt").run.name == "gpt-exp1_v2.0"
+def test_run_ids_are_one_safe_path_component(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a run id: it must be one folder name"):
+        load_config(None, [f"--run.id={name}"], "gpt")
+    assert load_config(None, ["--run.id=gpt-exp1_v2.0"], "gpt").run.id == "gpt-exp1_v2.0"
 
 
 def test_a_bad_run_id_or_a_missing_run_is_refused_before_anything_is_written(
@@ -42,7 +42,7 @@ def test_a_bad_run_id_or_a_missing_run_is_refused_before_anything_is_written(
     (out / "gpt-baseline").mkdir(parents=True)
     flags = ["--nproc-per-node", "1", "--", f"--run.out_dir={out}"]
     assert main(["run", "gpt", "--run-id", "../../escaped", *flags]) == 2
-    assert "is not a run name" in capsys.readouterr().err and not (tmp_path / "escaped").exists()
+    assert "is not a run id" in capsys.readouterr().err and not (tmp_path / "escaped").exists()
     assert main(["run", "gpt", "--resume", "--run-id", "gpt-baselin", *flags]) == 2
     err = capsys.readouterr().err
     assert "--resume: there is no run folder" in err and "Did you mean --run-id gpt-baseline?" in err
@@ -168,7 +168,7 @@ def test_a_launch_into_a_held_run_folder_changes_nothing(tmp_path: Path, capsys:
         assert main(["run", "gpt", *flags]) == 2
         assert f"is in use by another job: pid {holder.pid}" in capsys.readouterr().err
         with pytest.raises(DistributedTestError, match=f"in use by another job: pid {holder.pid}"):
-            run_distributed(train_rank, 1, args=(str(tmp_path), ["--run.name=shared"]))
+            run_distributed(train_rank, 1, args=(str(tmp_path), ["--run.id=shared"]))
         assert (run_dir / "config.toml").read_text() == "# the running job's config\n"
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.toml"]
     finally:
@@ -177,7 +177,7 @@ def test_a_launch_into_a_held_run_folder_changes_nothing(tmp_path: Path, capsys:
 
 
 def _rank_with_its_own_lr(rank: int, root: str) -> None:
-    config = nano_config(Path(root), f"--optim.lr={0.001 * (rank + 1)}", "--run.name=mixed")
+    config = nano_config(Path(root), f"--optim.lr={0.001 * (rank + 1)}", "--run.id=mixed")
     run_worker(config, Path(root) / "runs" / "mixed")
 
 
@@ -221,7 +221,7 @@ def test_a_run_never_writes_through_symlinks_planted_in_its_folder(
     run_dir.mkdir(parents=True)
     for name in ("loss.png", "config.toml"):
         (run_dir / name).symlink_to(secret)
-    overrides = ["--run.name=planted", "--train.max_steps=2", "--checkpoint.resume=true"]
+    overrides = ["--run.id=planted", "--train.max_steps=2", "--checkpoint.resume=true"]
     run_distributed(train_rank, 1, args=(str(tmp_path), overrides))
     log = capfd.readouterr().err
     assert "checkpoint.resume: no valid checkpoint in" in log and "STARTING FROM STEP 0" in log
@@ -232,7 +232,7 @@ def test_a_run_never_writes_through_symlinks_planted_in_its_folder(
     (run_dir / "metrics.jsonl").unlink()
     (run_dir / "metrics.jsonl").symlink_to(secret)
     with pytest.raises(DistributedTestError, match="metrics.jsonl is a symlink; trainmesh does not read or write"):
-        run_distributed(train_rank, 1, args=(str(tmp_path), ["--run.name=planted", "--train.max_steps=4"]))
+        run_distributed(train_rank, 1, args=(str(tmp_path), ["--run.id=planted", "--train.max_steps=4"]))
     assert secret.read_text() == "precious\n"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainmesh.core.batch import BatchPlan
 from trainmesh.data.sharding import (
     DataPosition,
     DatasetTooSmallError,
@@ -10,7 +11,6 @@ from trainmesh.data.sharding import (
     eval_micro_batches,
     position_at_step,
 )
-from trainmesh.train.batch import BatchPlan
 
 
 def _plan(micro: int, dp: int, global_batch: int) -> BatchPlan:

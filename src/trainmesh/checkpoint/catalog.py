@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from trainmesh.checkpoint.manifest import file_matches, verify
 from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_metadata
 from trainmesh.checkpoint.state import TRAINER_STATE, InvalidTrainerState, TrainerState
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import fsync_dir, make_dirs, read_bytes, write_atomically
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import fsync_dir, make_dirs, read_bytes, write_atomically
+from trainmesh.core.logging import get_logger
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
@@ -197,7 +197,7 @@ def check_no_collision(run_dir: Path, start_step: int, runtime: Runtime) -> None
         raise CheckpointCollisionError(
             f"{checkpoint_root(run_dir)} already holds {', '.join(ahead[-3:])}"
             f"{' and more' if len(ahead) > 3 else ''}, and this run starts at step {start_step}: its checkpoints "
-            "would collide with them. Fix: --resume to continue that run, or a new --run-id (run.name) for a new one."
+            "would collide with them. Fix: --resume to continue that run, or a new --run-id (run.id) for a new one."
         )
 
 

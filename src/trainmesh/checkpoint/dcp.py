@@ -38,9 +38,9 @@ from trainmesh.checkpoint.reader import (
     set_path,
 )
 from trainmesh.checkpoint.state import TrainerState
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import open_file
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import open_file
+from trainmesh.core.logging import get_logger
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
@@ -52,15 +52,15 @@ E = TypeVar("E", bound=BaseException)
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> TrainerState:
     """Collective: load model and optimizer (resharded to this world size) and return the trainer state."""
     state = TrainerState.read(path)
-    model_state, optim_state = runtime.strategy.state_dicts(model, optimizer)  # templates to fill in
+    model_state, optim_state = runtime.state_dicts(model, optimizer)  # templates to fill in
     ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
-    if not runtime.strategy.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
+    if not runtime.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
         ours = {key: shape for part in runtime.all_gather_object(ours) for key, shape in part.items()}
     _check_matches(path, ours)
     loaded = {"model": model_state, "optim": optim_state}
     _load(loaded, path)
-    runtime.strategy.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
-    runtime.precision.load_state_dict(state.precision)
+    runtime.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
+    runtime.load_precision_state(state.precision)
     rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
     if state.world_size == runtime.world_size and rng_file.is_file():
         try:

@@ -31,10 +31,10 @@ from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, check_checkpoint
 from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
 from trainmesh.checkpoint.state import TrainerState
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import make_dirs, open_file
-from trainmesh.runtime.logging import get_logger
-from trainmesh.versions import versions
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import make_dirs, open_file
+from trainmesh.core.logging import get_logger
+from trainmesh.core.versions import versions
 
 log = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmesh.runtime.files import read_bytes, write_atomically
+from trainmesh.core.files import read_bytes, write_atomically
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

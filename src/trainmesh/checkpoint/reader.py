@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from trainmesh.runtime.errors import UserError
+from trainmesh.core.errors import UserError
 
 METADATA = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"

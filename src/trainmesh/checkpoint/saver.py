@@ -47,10 +47,10 @@ from trainmesh.checkpoint.catalog import (
 from trainmesh.checkpoint.dcp import find_cause, rng_state, single_process_quiet
 from trainmesh.checkpoint.manifest import PeerFailed, write_json_durably, write_manifest
 from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
-from trainmesh.faults import maybe_inject
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import fsync_dir
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import fsync_dir
+from trainmesh.core.logging import get_logger
+from trainmesh.faults import FaultPlan
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -91,8 +91,17 @@ class _Save:
 class Checkpointer:
     """Saves checkpoints of one run. Collective: every rank creates it and calls `save` together."""
 
-    def __init__(self, run_dir: Path, runtime: Runtime, keep_last: int = 0, background: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        runtime: Runtime,
+        keep_last: int = 0,
+        background: bool = False,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        """`faults`: the test hook's plan (faults.py), for faults during a save; none by default."""
         self.run_dir, self.runtime, self.keep_last = run_dir, runtime, keep_last
+        self.faults = faults or FaultPlan.none()
         self.background = background
         self._group: ProcessGroup | None = runtime.new_group() if background else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainmesh-checkpoint") if background else None
@@ -109,7 +118,7 @@ class Checkpointer:
             raise CheckpointCollisionError(
                 f"checkpoint {final} already exists; a committed checkpoint is never overwritten"
             )
-        model_state, optim_state = rt.strategy.state_dicts(model, optimizer)
+        model_state, optim_state = rt.state_dicts(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
         staging = staging_dir(final)
         job = _Save(state.step, staging, final, asdict(state), rng_state(), _tensor_sizes(tensors), None, None)
@@ -169,7 +178,7 @@ class Checkpointer:
             if job.written is not None:
                 job.written.result()
             torch.save(job.rng, job.staging / "rng" / f"rank_{rt.rank}.pt")
-            maybe_inject(job.step, "checkpoint", rt.rank, self.run_dir)  # test hook: fail before the commit
+            self.faults.inject(job.step, "checkpoint")  # test hook: fail before the commit
             if rt.is_main_process:
                 write_json_durably(job.staging / TRAINER_STATE, job.trainer_state)
 
@@ -189,7 +198,7 @@ class Checkpointer:
         """Rank 0: point `latest` at the new checkpoint and rotate. The checkpoint is committed already,
         so a failure here costs a warning, not the run."""
         try:
-            maybe_inject(job.step, "commit", self.runtime.rank, self.run_dir)  # test hook: e.g. the disk fills
+            self.faults.inject(job.step, "commit")  # test hook: e.g. the disk fills
             write_latest(self.run_dir, job.final)
             for old in rotate(self.run_dir, self.keep_last):
                 log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, self.keep_last)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.files import read_bytes
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import read_bytes
 
 TRAINER_STATE = "trainer_state.json"
 MAX_STEP = 10**12  # far beyond any real run; a larger step is damage, not progress

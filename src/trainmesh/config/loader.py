@@ -18,7 +18,7 @@ from typing import Any
 import tomli_w
 
 from trainmesh.config.schema import Config, ModelConfig
-from trainmesh.runtime.errors import UserError
+from trainmesh.core.errors import UserError
 
 
 class ConfigError(UserError, ValueError):
@@ -68,10 +68,8 @@ def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def build_config(data: dict[str, Any], model_cls: type[ModelConfig]) -> Config:
     """Turn a nested dict into a validated `Config`; the `[model]` section uses `model_cls`."""
     data = _deep_copy(data)
-    model_data = data.pop("model", {})
-    config = _build(Config, data, prefix="")
-    config.model = _build(model_cls, model_data, prefix="model.")
-    return config
+    model = _build(model_cls, data.pop("model", {}), prefix="model.")
+    return typing.cast(Config, _build(Config, data, prefix="", given={"model": model}))
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -92,12 +90,13 @@ def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
-def _build(cls: type[Any], data: Any, prefix: str) -> Any:
+def _build(cls: type[Any], data: Any, prefix: str, given: dict[str, Any] | None = None) -> Any:
+    """`cls` from the values in `data` (checked and converted per field) and the sections in `given`."""
     section = prefix.rstrip(".") or "the top level"
     if not isinstance(data, dict):
         raise ConfigError(f"'{section}' must be a section (a TOML table), got {data!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)} - set(given or {})
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -112,20 +111,21 @@ def _build(cls: type[Any], data: Any, prefix: str) -> Any:
         else:
             kwargs[key] = _coerce(f"{prefix}{key}", value, kind)
     try:
-        return cls(**kwargs)
+        return cls(**kwargs, **(given or {}))
     except ValueError as e:  # __post_init__ range checks
         raise ConfigError(str(e)) from None
 
 
-def _coerce(key: str, value: Any, kind: Any) -> Any:
+def _coerce(key: str, value: Any, kind: Any, optional: bool = False) -> Any:
     """Check `value` against the field's type; accept the few safe conversions CLI strings need."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(kind)
-        if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in options):
+        unset = isinstance(value, str) and value.lower() in ("none", "auto")  # tri-state: unset means automatic
+        if value is None or (unset and type(None) in options):
             return None
         inner = [o for o in options if o is not type(None)]
-        return _coerce(key, value, inner[0])
+        return _coerce(key, value, inner[0], optional=type(None) in options)
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -144,11 +144,12 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
     elif kind is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, bool):
-            return "true" if value else "false"  # e.g. optim.fused=true
         if isinstance(value, (int, float)):
             return str(value)
     else:
         raise AssertionError(f"config field {key} has unsupported type {kind}")
     type_name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    if optional:
+        type_name += ', or "auto" (unset)'
+
     raise ConfigError(f"config key '{key}' expects {type_name}, got {value!r} ({type(value).__name__})")

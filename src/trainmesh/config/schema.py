@@ -1,7 +1,7 @@
 """The configuration schema: one dataclass per section, each field with a one-line docstring.
 
 Field checks that need only the field live in `__post_init__`; checks across sections (batch math,
-world size) live in `trainmesh.config.validate`. The recipe supplies the `[model]` section's class.
+world size) live in `trainmesh.job`. The recipe supplies the `[model]` section's class.
 """
 
 from __future__ import annotations
@@ -10,9 +10,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainmesh.precision import PRECISIONS
-from trainmesh.runtime.dist import BACKENDS, DEBUG_LEVELS, DEVICES
-from trainmesh.strategies import COMM_HOOKS, SCHEDULES, STRATEGIES
+from trainmesh.core.dist import BACKENDS, DEBUG_LEVELS, DEVICES
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
+COMM_HOOKS = ("none", "fp16", "bf16")
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -25,15 +36,15 @@ def _at_least(key: str, value: float, low: float) -> None:
         raise ValueError(f"{key}={value} must be >= {low}")
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     recipe: str = "gpt"
     """Which built-in recipe to train: gpt | resnet."""
-    name: str = ""
-    """Run id, the name of the run directory under out_dir; empty: <recipe>-<date>-<time>."""
+    id: str = ""
+    """Run id (--run-id), the name of the run directory under out_dir; empty: <recipe>-<date>-<time>."""
     out_dir: str = "runs"
     """Folder that holds run directories."""
     seed: int = 1337
@@ -47,14 +58,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _at_least("run.log_every", self.log_every, 1)
-        if self.name and not RUN_NAME.fullmatch(self.name):
+        if self.id and not RUN_ID.fullmatch(self.id):
             raise ValueError(
-                f"run.name={self.name!r} (--run-id) is not a run name: it must be one folder name of letters, digits, "
+                f"run.id={self.id!r} (--run-id) is not a run id: it must be one folder name of letters, digits, "
                 "'.', '_' and '-', starting with a letter or digit, at most 128 characters (e.g. --run-id gpt-exp1)"
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistConfig:
     device: str = "auto"
     """auto (cuda, else mps for one process, else cpu) | cpu | cuda | mps."""
@@ -78,7 +89,7 @@ class DistConfig:
         _at_least("dist.stall_timeout_s", self.stall_timeout_s, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DDPConfig:
     bucket_cap_mb: float = 25.0
     """Gradient bucket size in MiB; each bucket is all-reduced as soon as it is ready."""
@@ -98,7 +109,7 @@ class DDPConfig:
         _at_least("parallel.ddp.bucket_cap_mb", self.bucket_cap_mb, 0.001)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FSDPConfig:
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (full shard, ZeRO-3); false: keep them for backward (ZeRO-2)."""
@@ -111,7 +122,7 @@ class FSDPConfig:
         _at_least("parallel.fsdp.prefetch", self.prefetch, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     schedule: str = "1f1b"
     """gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev."""
@@ -119,11 +130,11 @@ class PipelineConfig:
     """Pieces each micro-batch is cut into as it flows through the stages; train.micro_batch must be a multiple."""
 
     def __post_init__(self) -> None:
-        _one_of("parallel.pipeline.schedule", self.schedule, tuple(SCHEDULES))
+        _one_of("parallel.pipeline.schedule", self.schedule, PIPELINE_SCHEDULES)
         _at_least("parallel.pipeline.microbatches", self.microbatches, 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = "auto"
     """Data parallelism across replicas: auto (ddp; fsdp with tp; single: one replica) | single | dp | ddp | fsdp."""
@@ -152,7 +163,7 @@ class ParallelConfig:
         _at_least("parallel.activation_checkpointing", self.activation_checkpointing, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = 300
     """Number of optimizer steps."""
@@ -194,7 +205,7 @@ class TrainConfig:
         _at_least("train.eval_samples", self.eval_samples, 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4
     """Peak learning rate (after warmup)."""
@@ -212,15 +223,14 @@ class OptimConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    fused: str = "auto"
-    """Fused AdamW kernel: auto (on CUDA) | true | false."""
+    fused: bool | None = None
+    """Fused AdamW kernel: true | false | unset or "auto": on CUDA."""
 
     def __post_init__(self) -> None:
         _at_least("optim.lr", self.lr, 0)
         _at_least("optim.min_lr", self.min_lr, 0)
         _at_least("optim.warmup_steps", self.warmup_steps, 0)
         _one_of("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
-        _one_of("optim.fused", self.fused, ("auto", "true", "false"))
         if self.lr > 1:
             raise ValueError(
                 f"optim.lr={self.lr} is far above any AdamW learning rate (typically 1e-4 to 1e-2): each step moves "
@@ -230,7 +240,7 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr={self.min_lr} is above optim.lr={self.lr}; it must be <= lr")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = "embedded"
     """embedded (gpt: the Python standard library's source; resnet: scikit-learn's digits) | a text file or
@@ -255,7 +265,7 @@ class DataConfig:
         _at_least("data.num_workers", self.num_workers, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0
     """Optimizer steps between checkpoints; 0: only the final one."""
@@ -276,7 +286,7 @@ class CheckpointConfig:
         _one_of("checkpoint.on_corrupt", self.on_corrupt, ("fallback", "abort"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileConfig:
     enabled: bool = False
     """Record torch.profiler traces (CPU ops, CUDA kernels) into <run>/profile/rank_<r>/ for Perfetto or TensorBoard."""
@@ -322,7 +332,7 @@ def profiled_ranks(text: str) -> frozenset[int] | None:
     return frozenset(int(p) for p in parts)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleConfig:
     prompt: str = "def "
     """Text the model continues after training (generative recipes)."""
@@ -340,12 +350,12 @@ class SampleConfig:
             raise ValueError(f"sample.temperature={self.temperature} must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Base of each recipe's `[model]` section."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from trainmesh.core.errors import UserError
+from trainmesh.core.logging import get_logger
 from trainmesh.data.tokenizer import Tokenizer
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from trainmesh.runtime.errors import UserError
-from trainmesh.train.batch import BatchPlan
+from trainmesh.core.batch import BatchPlan
+from trainmesh.core.errors import UserError
 
 
 class DatasetTooSmallError(UserError, ValueError):

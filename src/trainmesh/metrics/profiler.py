@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from trainmesh.config.schema import ProfileConfig, profiled_ranks
-from trainmesh.runtime.files import make_dirs
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.files import make_dirs
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

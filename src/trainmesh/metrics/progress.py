@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TextIO
 
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

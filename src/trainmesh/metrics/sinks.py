@@ -3,7 +3,7 @@
 Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory. Records are written
 by a background thread: serialising TensorBoard events costs rank 0 about half a millisecond per
 record, and every other rank would wait for it at the next collective. Files are made through
-runtime/files.py: a symlink planted at `metrics.jsonl` or `loss.png` is refused or replaced, never
+core/files.py: a symlink planted at `metrics.jsonl` or `loss.png` is refused or replaced, never
 written through.
 """
 
@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainmesh.runtime.files import make_dirs, open_file, write_atomically
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.files import make_dirs, open_file, write_atomically
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from trainmesh.config.schema import PRECISIONS
 from trainmesh.precision.amp import MixedPrecision, ScaledMixedPrecision
 from trainmesh.precision.base import Precision
-from trainmesh.precision.full import FullPrecision, TruePrecision
+from trainmesh.precision.full import BF16TruePrecision, FP32Precision
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-
-__all__ = ["PRECISIONS", "Precision", "build_precision", "check_precision_supported"]
+__all__ = ["Precision", "build_precision", "check_precision_supported"]
 
 
 def check_precision_supported(name: str, device: torch.device) -> None:
@@ -38,5 +37,5 @@ def build_precision(name: str, device: torch.device) -> Precision:
     if name == "16-mixed":
         return ScaledMixedPrecision(device)
     if name == "bf16-true":
-        return TruePrecision()
-    return FullPrecision()
+        return BF16TruePrecision()
+    return FP32Precision()

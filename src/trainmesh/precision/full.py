@@ -10,7 +10,7 @@ from torch import nn
 from trainmesh.precision.base import Precision
 
 
-class FullPrecision(Precision):
+class FP32Precision(Precision):
     """`32-true`: fp32 parameters, activations and gradients; the reference for parity."""
 
     name = "32-true"
@@ -20,7 +20,7 @@ class FullPrecision(Precision):
         return torch.float32
 
 
-class TruePrecision(Precision):
+class BF16TruePrecision(Precision):
     """`bf16-true`: the model itself is bf16 (half the memory of fp32, no master weights)."""
 
     name = "bf16-true"

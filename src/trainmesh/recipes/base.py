@@ -1,13 +1,17 @@
 """A recipe is everything model-specific: the model, its data, its loss, and what to show at the end.
 
 The loop and strategies stay generic; a recipe is the one place that knows what a batch looks like.
+A recipe holds no state between calls: each method takes what it needs (the config, the runtime, the
+datasets `prepare` returned, the model), so they may be called in any order and any number of times.
+Settings derived from other keys or from the data (GPT's vocabulary size, ResNet's classes) are filled in
+by `complete_model` when the job is resolved (trainmesh.job), before anything runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -15,11 +19,18 @@ from torch.utils.data import Dataset
 
 from trainmesh.config.schema import Config, ModelConfig
 from trainmesh.strategies.base import Objective
-from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.mesh import ParallelDims
 from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
+
+
+class Datasets(NamedTuple):
+    """What `Recipe.prepare` returns: datasets whose items the default collate can stack."""
+
+    train: Dataset[Any]
+    val: Dataset[Any]
 
 
 class Recipe(ABC):
@@ -45,21 +56,20 @@ class Recipe(ABC):
         del model
         return 0
 
-    def complete_config(self, config: Config) -> None:
-        """Fill in values derived from other keys (at load time, so the written config is exact)."""
-        del config
+    def complete_model(self, config: Config) -> ModelConfig:
+        """The `[model]` section with the values that follow from other keys or the data filled in (a new
+        object; called when the job is resolved, so the written config and the checkpoints state them)."""
+        return config.model
 
     @abstractmethod
-    def prepare(self, config: Config, runtime: Runtime) -> None:
-        """Make the data ready (tokenise/cache on one process per node) and finish the model config."""
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
+        """Make the data ready (tokenise/cache on one process per node; check it fits the model config) and
+        return the train and validation datasets."""
 
     @abstractmethod
-    def build_model(self, config: Config) -> nn.Module:
-        """A freshly initialised model, on the CPU; the strategy places it."""
-
-    @abstractmethod
-    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
-        """(train, validation) datasets whose items the default collate can stack."""
+    def build_model(self, config: Config, runtime: Runtime) -> nn.Module:
+        """A freshly initialised model, on the CPU (or the meta device); the strategy places it. Collective:
+        every rank builds it (a layer may need the data-parallel group)."""
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """(model input, targets) of a collated batch; the default reads (input, target) pairs."""
@@ -89,19 +99,18 @@ class Recipe(ABC):
         inputs, targets = self.split_batch(batch)
         return self.output_loss(module(inputs), targets)
 
-    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
+    def check_parallel(self, config: Config, dims: ParallelDims) -> None:
         """Refuse model-parallel settings this recipe's model cannot take (ValueError naming the keys and
-        a fix); called before launch, with the resolved data-parallel strategy and mesh."""
-        if shape.tp > 1:
+        a fix); called before launch, with the resolved degrees of the mesh."""
+        if dims.tp > 1:
             raise ValueError(
-                f"parallel.tp={shape.tp}: the {self.name} recipe has no tensor-parallel plan. Fix: --parallel.tp=1."
+                f"parallel.tp={dims.tp}: the {self.name} recipe has no tensor-parallel plan. Fix: --parallel.tp=1."
             )
         if config.parallel.meta_init:
             raise ValueError(
                 f"parallel.meta_init=true: the {self.name} recipe cannot initialise a model built on the meta "
                 "device. Fix: --parallel.meta_init=false."
             )
-        del strategy
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
         """How the model is cut for the strategies: its blocks and, where the recipe supports them, its

@@ -1,1 +1,1 @@
-"""Runtime: where this process sits in the job, its device, and the public Runtime object."""
+"""The public `Runtime` object: a process's device, precision and strategy, and its collectives."""

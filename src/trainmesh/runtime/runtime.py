@@ -1,6 +1,7 @@
 """`Runtime`: the one object a training loop talks to — the public library API of trainmesh.
 
     rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group
+                                                    # (trainmesh's worker: job.runtime(), see job.py)
     model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp)
     loader = rt.setup_dataloader(loader)            # each rank reads its own shard
     with rt.no_sync(model, enabled=not last_micro_step), rt.autocast():
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
@@ -23,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from trainmesh.precision import Precision, build_precision
-from trainmesh.runtime.dist import (
+from trainmesh.config.schema import DistConfig, ParallelConfig
+from trainmesh.core.dist import (
     init_process_group,
     seed_everything,
     select_backend,
@@ -33,21 +35,11 @@ from trainmesh.runtime.dist import (
     set_tf32,
     teardown,
 )
-from trainmesh.runtime.env import DistEnv
-from trainmesh.runtime.errors import UserError
-from trainmesh.runtime.logging import configure_logging
-from trainmesh.strategies import (
-    DISTRIBUTED,
-    BlockOptions,
-    DDPOptions,
-    FSDPOptions,
-    MeshShape,
-    ParallelPlan,
-    PipelineOptions,
-    Strategy,
-    build_strategy,
-    resolve_parallelism,
-)
+from trainmesh.core.env import DistEnv
+from trainmesh.core.errors import UserError
+from trainmesh.core.logging import configure_logging
+from trainmesh.precision import Precision, build_precision
+from trainmesh.strategies import Layout, ParallelPlan, Strategy, build_strategy, check_layout, resolve_parallelism
 from trainmesh.strategies.base import Objective
 
 T = TypeVar("T")
@@ -76,43 +68,53 @@ class PendingReduce:
 
 
 class Runtime:
+    """Keyword-only; every argument has a default. `strategy` is short for `parallel.strategy`: the
+    `[parallel]` section (its degrees, ddp/fsdp/pipeline options) and `[dist]` section (device, backend,
+    timeouts) are the config's own dataclasses (trainmesh.config.schema). `layout`: the strategy and mesh
+    degrees already resolved for this world size (the worker passes its Job's); None: resolved here."""
+
     def __init__(
         self,
-        strategy: str = "auto",
+        *,
+        strategy: str | None = None,
         precision: str = "32-true",
-        device: str = "auto",
-        backend: str = "auto",
+        parallel: ParallelConfig | None = None,
+        dist: DistConfig | None = None,
+        compile: bool = False,
         seed: int | None = None,
-        timeout_s: float = 600.0,
-        init_timeout_s: float = 300.0,
-        debug: str = "off",
-        ddp: DDPOptions | None = None,
-        fsdp: FSDPOptions | None = None,
-        blocks: BlockOptions | None = None,
-        mesh: MeshShape | None = None,
-        pipeline: PipelineOptions | None = None,
         deterministic: bool = False,
         tf32: bool | None = None,
         env: DistEnv | None = None,
+        layout: Layout | None = None,
     ) -> None:
+        parallel = parallel or ParallelConfig()
+        if strategy is not None:
+            parallel = replace(parallel, strategy=strategy)
+        dist_config = dist or DistConfig()
         self.env = env or DistEnv.from_environ()
         self.log = configure_logging(self.env.rank, self.env.world_size)
-        self.device = select_device(device, self.env)
-        self.backend = select_backend(backend, self.device)
-        if mesh is None:  # data parallelism only
-            strategy, mesh = resolve_parallelism(strategy, self.env.world_size)
+        layout = layout or resolve_parallelism(parallel, self.env.world_size)
+        assert layout.dims.world_size == self.env.world_size, f"{layout} resolved for another world size"
+        check_layout(parallel, layout, precision)
+        self.device = select_device(dist_config.device, self.env)
+        self.backend = select_backend(dist_config.backend, self.device)
         self.precision: Precision = build_precision(precision, self.device)
         init_process_group(
             self.env,
             self.backend,
             self.device,
-            timeout_s,
-            required=strategy in DISTRIBUTED or mesh.pp * mesh.tp > 1,
-            init_timeout_s=init_timeout_s,
-            debug=debug,
+            dist_config.timeout_s,
+            required=layout.needs_process_group,
+            init_timeout_s=dist_config.init_timeout_s,
+            debug=dist_config.debug,
         )
         self.strategy: Strategy = build_strategy(
-            strategy, self.env, self.device, ddp, fsdp, blocks, mesh, self.precision.gather_dtype, pipeline
+            layout,
+            env=self.env,
+            device=self.device,
+            parallel=parallel,
+            compile=compile,
+            gather_dtype=self.precision.gather_dtype,
         )
         set_deterministic(deterministic)
         if tf32 is not None:  # None: leave the process's setting as it is
@@ -151,6 +153,50 @@ class Runtime:
     @property
     def is_main_process(self) -> bool:
         return self.env.is_main
+
+    @property
+    def seed_rank(self) -> int:
+        """Ranks with the same number draw the same random numbers (tensor-parallel peers; see Strategy)."""
+        return self.strategy.seed_rank
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """Whether this rank runs the whole model's forward (not so for a pipeline stage)."""
+        return self.strategy.holds_whole_model
+
+    @property
+    def devices(self) -> int:
+        """Accelerators this job computes on, over all processes (for MFU: nn.DataParallel uses several)."""
+        return self.world_size * self.strategy.devices_per_process
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the precision scales the loss (16-mixed): it then skips overflowing steps itself."""
+        return self.precision.scales_loss
+
+    def precision_state(self) -> dict[str, Any]:
+        """The precision's state for a checkpoint (the fp16 loss scale)."""
+        return self.precision.state_dict()
+
+    def load_precision_state(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state)
+
+    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer state keyed by parameter name, free of wrapper prefixes (DCP-ready)."""
+        return self.strategy.state_dicts(model, optimizer)
+
+    def load_state_dicts(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+    ) -> None:
+        self.strategy.load_state_dicts(model, optimizer, model_state, optim_state)
 
     @property
     def _has_group(self) -> bool:
@@ -306,7 +352,7 @@ class Runtime:
         """The group of this rank's data-parallel replicas (e.g. for SyncBatchNorm); None: the whole
         world when there is no model parallelism, or no group at all. Collective: every rank calls it."""
         mesh = self.strategy.mesh
-        if mesh is None or mesh.shape.dp_size == self.world_size:
+        if mesh is None or mesh.dims.dp_size == self.world_size:
             return None
         return mesh.dp_group()
 

@@ -5,111 +5,154 @@
 `parallel.tp > 1` cuts every block's weights over tensor-parallel ranks (the recipe's plan), and
 `parallel.pp > 1` cuts the model into pipeline stages run by `PipelineStrategy`, which wraps each
 stage in the data-parallel strategy.
+
+    layout = resolve_parallelism(config.parallel, world_size)   # what `auto` means, the degrees
+    check_layout(config.parallel, layout, precision)             # combinations that cannot work
+    strategy = build_strategy(layout, env=..., device=..., parallel=config.parallel)
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from trainmesh.runtime.env import DistEnv
+from trainmesh.config.schema import STRATEGIES, ParallelConfig
+from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Objective, Strategy
-from trainmesh.strategies.blocks import BlockOptions
-from trainmesh.strategies.ddp import COMM_HOOKS, DDPOptions, DDPStrategy
+from trainmesh.strategies.ddp import DDPStrategy
 from trainmesh.strategies.dp import DataParallelStrategy
-from trainmesh.strategies.fsdp import FSDPOptions, FSDPStrategy
-from trainmesh.strategies.mesh import MeshShape, ParallelMesh
-from trainmesh.strategies.pipeline import SCHEDULES, PipelineOptions, PipelineStrategy
+from trainmesh.strategies.fsdp import FSDPStrategy
+from trainmesh.strategies.mesh import ParallelDims, ParallelMesh
+from trainmesh.strategies.pipeline import SCHEDULES, PipelineStrategy, schedule_problem
 from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.strategies.single import SingleDeviceStrategy
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 DISTRIBUTED = ("ddp", "fsdp")  # these need a process group even for one process
 
+
+class Layout(NamedTuple):
+    """A resolved parallel layout: the data-parallel strategy (never `auto`) and the mesh's degrees."""
+
+    strategy: str
+    dims: ParallelDims
+
+    @property
+    def needs_process_group(self) -> bool:
+        return self.strategy in DISTRIBUTED or self.dims.pp * self.dims.tp > 1
+
+
 __all__ = [
-    "COMM_HOOKS",
     "DISTRIBUTED",
     "SCHEDULES",
-    "STRATEGIES",
-    "BlockOptions",
-    "DDPOptions",
-    "FSDPOptions",
-    "MeshShape",
+    "Layout",
     "Objective",
+    "ParallelDims",
+    "ParallelMesh",
     "ParallelPlan",
-    "PipelineOptions",
     "Strategy",
     "build_strategy",
+    "check_layout",
     "resolve_parallelism",
 ]
 
 
-def resolve_parallelism(
-    name: str, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
-) -> tuple[str, MeshShape]:
-    """The data-parallel strategy `auto` stands for, and the mesh; mismatches are user errors."""
-    if name not in STRATEGIES:
-        raise ValueError(f"parallel.strategy={name!r} is not one of {', '.join(STRATEGIES)}")
+def resolve_parallelism(parallel: ParallelConfig, world_size: int) -> Layout:
+    """The data-parallel strategy `auto` stands for, and the degrees of the mesh; mismatches are user errors."""
+    name, tp = parallel.strategy, parallel.tp  # a ParallelConfig holds a valid name (it checks its fields)
     sharded = name == "fsdp" or (name == "auto" and tp != 1)  # ddp cannot hold tensor-parallel weights
-    shape = MeshShape.resolve(world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sharded=sharded)
+    dims = ParallelDims.resolve(
+        world_size,
+        pp=parallel.pp,
+        dp_replicate=parallel.dp_replicate,
+        dp_shard=parallel.dp_shard,
+        tp=tp,
+        sharded=sharded,
+    )
     if name == "auto":
-        name = ("fsdp" if sharded else "ddp") if shape.dp_size > 1 else "single"
-    model_parallel = f" (parallel.pp={shape.pp}, parallel.tp={shape.tp})" if shape.pp * shape.tp > 1 else ""
+        name = ("fsdp" if sharded else "ddp") if dims.dp_size > 1 else "single"
+    model_parallel = f" (parallel.pp={dims.pp}, parallel.tp={dims.tp})" if dims.pp * dims.tp > 1 else ""
     if name == "dp" and world_size > 1:
         raise ValueError(
             f"parallel.strategy='dp' drives all local GPUs from ONE process, but the world size is {world_size}. "
             "Fix: --nproc-per-node 1 with dp, or use --parallel.strategy=ddp."
         )
-    if name == "single" and shape.dp_size > 1:
+    if name == "single" and dims.dp_size > 1:
         raise ValueError(
             f"parallel.strategy='single' keeps one model replica, but the world size is {world_size}{model_parallel}, "
-            f"which leaves {shape.dp_size} data-parallel replicas. "
+            f"which leaves {dims.dp_size} data-parallel replicas. "
             "Fix: --parallel.strategy=ddp (or auto), or launch one process."
         )
-    if name == "ddp" and shape.tp > 1:
+    if name == "ddp" and dims.tp > 1:
         raise ValueError(
-            f"parallel.strategy='ddp' cannot combine with tensor parallelism (parallel.tp={shape.tp}): DDP "
+            f"parallel.strategy='ddp' cannot combine with tensor parallelism (parallel.tp={dims.tp}): DDP "
             "all-reduces whole tensors, not tensor-parallel shards. Fix: --parallel.strategy=fsdp (TP × FSDP)."
         )
-    if name == "fsdp" and shape.dp_shard == 1 and shape.dp_replicate > 1:
-        replicate = "--parallel.strategy=ddp for pure replication, or " if shape.tp == 1 else ""
+    if name == "fsdp" and dims.dp_shard == 1 and dims.dp_replicate > 1:
+        replicate = "--parallel.strategy=ddp for pure replication, or " if dims.tp == 1 else ""
         raise ValueError(
-            f"parallel.dp_shard=1 with parallel.dp_replicate={shape.dp_replicate} shards nothing. "
+            f"parallel.dp_shard=1 with parallel.dp_replicate={dims.dp_replicate} shards nothing. "
             f"Fix: {replicate}a parallel.dp_shard above 1 (e.g. --parallel.dp_replicate=1 --parallel.dp_shard=-1)."
         )
-    return name, shape
+    return Layout(name, dims)
+
+
+def check_layout(parallel: ParallelConfig, layout: Layout, precision: str) -> None:
+    """Refuse combinations of a resolved layout with its options or `precision` (train.precision) that cannot
+    work (ValueError naming the keys and a fix). The one place for these checks: `Runtime` and
+    `trainmesh check` both call it."""
+    name, dims = layout
+    model_parallel = f"parallel.pp={dims.pp} / parallel.tp={dims.tp}"
+    problem = schedule_problem(parallel.pipeline, dims.pp) if dims.pp > 1 else None
+    if problem:
+        raise ValueError(problem)
+    if dims.pp * dims.tp > 1 and parallel.fsdp.cpu_offload and name == "fsdp":
+        raise ValueError(
+            f"parallel.fsdp.cpu_offload=true with {model_parallel} is not supported (stages pass activations, and "
+            "tensor-parallel layers communicate, on the accelerator). Fix: --parallel.fsdp.cpu_offload=false."
+        )
+    if dims.pp * dims.tp > 1 and precision == "16-mixed":
+        raise ValueError(
+            f"train.precision='16-mixed' with {model_parallel}: the loss scaler's overflow check would see only this "
+            "rank's part of the gradients, and ranks could disagree on skipping a step. "
+            "Fix: --train.precision=bf16-mixed."
+        )
 
 
 def build_strategy(
-    name: str,
+    layout: Layout,
+    *,
     env: DistEnv,
     device: torch.device,
-    ddp: DDPOptions | None = None,
-    fsdp: FSDPOptions | None = None,
-    blocks: BlockOptions | None = None,
-    mesh: MeshShape | None = None,
+    parallel: ParallelConfig | None = None,
+    compile: bool = False,
     gather_dtype: torch.dtype | None = None,
-    pipeline: PipelineOptions | None = None,
 ) -> Strategy:
-    """Collective when a device mesh is needed (fsdp, pp or tp): every rank builds it together.
-    `mesh`: the degrees (default: data parallelism over the world), checked as `resolve_parallelism` does."""
-    given = mesh or MeshShape(dp_shard=-1)
-    name, mesh = resolve_parallelism(
-        name, env.world_size, pp=given.pp, dp_replicate=given.dp_replicate, dp_shard=given.dp_shard, tp=given.tp
-    )
-    needs_mesh = name == "fsdp" or mesh.pp > 1 or mesh.tp > 1
-    device_mesh = ParallelMesh(mesh, device.type) if needs_mesh else None
+    """The strategy of a resolved `layout` (from `resolve_parallelism`) on a mesh of its degrees, with the
+    options of `parallel` (parallel.ddp, parallel.fsdp, ...) and `compile` (train.compile). Collective when a
+    device mesh is needed (fsdp, pp or tp): every rank builds it together. `gather_dtype`: the dtype fsdp
+    gathers parameters in (the precision's)."""
+    parallel = parallel or ParallelConfig()
+    name, dims = layout
+    assert name in STRATEGIES and name != "auto", f"resolve parallel.strategy={name!r} first"
+    needs_mesh = name == "fsdp" or dims.pp > 1 or dims.tp > 1
+    mesh = ParallelMesh(dims, device.type) if needs_mesh else None
+    every = parallel.activation_checkpointing
 
     def data_parallel() -> Strategy:
         if name == "fsdp":
-            assert device_mesh is not None
-            return FSDPStrategy(env, device, device_mesh, fsdp or FSDPOptions(), gather_dtype, blocks)
+            assert mesh is not None
+            fsdp = parallel.fsdp
+            return FSDPStrategy(
+                env, device, fsdp, mesh=mesh, param_dtype=gather_dtype, activation_checkpointing=every, compile=compile
+            )
         if name == "ddp":
-            return DDPStrategy(env, device, ddp or DDPOptions(), blocks, device_mesh)
+            return DDPStrategy(env, device, parallel.ddp, mesh=mesh, activation_checkpointing=every, compile=compile)
         if name == "dp":
-            return DataParallelStrategy(env, device, blocks)
-        return SingleDeviceStrategy(env, device, blocks, device_mesh)
+            return DataParallelStrategy(env, device, activation_checkpointing=every, compile=compile)
+        return SingleDeviceStrategy(env, device, mesh=mesh, activation_checkpointing=every, compile=compile)
 
-    if mesh.pp > 1:
-        assert device_mesh is not None
-        return PipelineStrategy(env, device, device_mesh, data_parallel(), pipeline or PipelineOptions())
+    if dims.pp > 1:
+        assert mesh is not None
+        return PipelineStrategy(env, device, data_parallel(), parallel.pipeline, mesh=mesh)
     return data_parallel()

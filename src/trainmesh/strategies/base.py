@@ -10,16 +10,16 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainmesh.core.env import DistEnv
 from trainmesh.precision import Precision
-from trainmesh.runtime.env import DistEnv
-from trainmesh.strategies.blocks import BlockOptions, find_blocks, transform_blocks
+from trainmesh.strategies.blocks import find_blocks, transform_blocks
 from trainmesh.strategies.gradients import clip_gradients
 from trainmesh.strategies.mesh import ParallelMesh
 from trainmesh.strategies.plan import ParallelPlan
@@ -47,12 +47,17 @@ class Strategy(ABC):
         self,
         env: DistEnv,
         device: torch.device,
-        blocks: BlockOptions | None = None,
+        *,
         mesh: ParallelMesh | None = None,
+        activation_checkpointing: int = 0,
+        compile: bool = False,
     ) -> None:
         self.env = env
         self.device = device
-        self.block_options = blocks or BlockOptions()
+        self.activation_checkpointing = activation_checkpointing
+        """Recompute every Nth block's activations in backward (parallel.activation_checkpointing; 0: none)."""
+        self.compile = compile
+        """torch.compile the model (train.compile): as one graph or block by block, see compiles_whole_model."""
         self.mesh = mesh
         """The device mesh when there is model parallelism (tp, pp) or fsdp; None otherwise."""
 
@@ -60,7 +65,7 @@ class Strategy(ABC):
     @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas whose gradients are averaged."""
-        return self.mesh.shape.dp_size if self.mesh else 1
+        return self.mesh.dims.dp_size if self.mesh else 1
 
     @property
     def dp_rank(self) -> int:
@@ -77,7 +82,7 @@ class Strategy(ABC):
     def seed_rank(self) -> int:
         """Ranks with the same number draw the same random numbers (dropout): tensor-parallel peers
         must, since they hold the same replicated activations."""
-        return self.env.rank // (self.mesh.shape.tp if self.mesh else 1)
+        return self.env.rank // (self.mesh.dims.tp if self.mesh else 1)
 
     @property
     def collective_forward(self) -> bool:
@@ -118,8 +123,10 @@ class Strategy(ABC):
             if not on_meta:
                 module.to(self.device)
             plan.tensor_parallel(module, tp_mesh)
-        whole = self.block_options.compile and self.compiles_whole_model
-        transform_blocks(module, blocks, replace(self.block_options, compile=self.block_options.compile and not whole))
+        whole = self.compile and self.compiles_whole_model
+        transform_blocks(
+            module, blocks, checkpoint_every=self.activation_checkpointing, compile=self.compile and not whole
+        )
         if whole:
             # In place (names and state-dict keys stay), and inside the wrapper, so that evaluation and sampling,
             # which run the unwrapped model, are compiled too; DDP's graph splitting at its buckets still applies.
@@ -186,7 +193,7 @@ class Strategy(ABC):
         (the summed loss, detached; zero where another rank reports it, see `owns_loss`).
 
         `scale()` turns the summed loss into this micro-batch's share of the global mean, with
-        the gradient averaging of data parallelism already accounted for (see train/batch.py). It is
+        the gradient averaging of data parallelism already accounted for (see core/batch.py). It is
         called after the forward, so the all-reduce it may wait for overlaps the forward pass.
         """
         inputs, targets = objective.split(batch)

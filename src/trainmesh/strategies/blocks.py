@@ -10,19 +10,9 @@ change a block in place and keep its parameter names, so checkpoints load across
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-
-@dataclass
-class BlockOptions:
-    activation_checkpointing: int = 0
-    """Recompute every k-th block's activations in backward instead of storing them (1: all; 0: none)."""
-    compile: bool = False
-    """torch.compile: each block (its own graph, so sharding can overlap between blocks) where the strategy
-    shards or splits blocks, else the whole model (Strategy.compiles_whole_model)."""
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:
@@ -38,15 +28,15 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def transform_blocks(module: nn.Module, blocks: list[nn.Module], options: BlockOptions) -> None:
-    """Apply `options` to each block in place; compile `module` whole when it has no blocks."""
-    every = options.activation_checkpointing
+def transform_blocks(module: nn.Module, blocks: list[nn.Module], *, checkpoint_every: int, compile: bool) -> None:
+    """Checkpoint every `checkpoint_every`-th block's activations (parallel.activation_checkpointing; 0: none)
+    and compile each block, in place; compile `module` whole when it has no blocks."""
     for i, block in enumerate(blocks):
-        if every > 0 and i % every == 0:
+        if checkpoint_every > 0 and i % checkpoint_every == 0:
             checkpoint_activations(block)
-        if options.compile:
+        if compile:
             block.compile()
-    if options.compile and not blocks:
+    if compile and not blocks:
         module.compile()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,22 +18,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.runtime.env import DistEnv
+from trainmesh.config.schema import DDPConfig
+from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Strategy
-from trainmesh.strategies.blocks import BlockOptions
 from trainmesh.strategies.mesh import ParallelMesh
-
-COMM_HOOKS = ("none", "fp16", "bf16")
-
-
-@dataclass
-class DDPOptions:
-    bucket_cap_mb: float = 25.0
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-    sync_buffers: bool = True
-    comm_hook: str = "none"
 
 
 class DDPStrategy(Strategy):
@@ -44,13 +31,14 @@ class DDPStrategy(Strategy):
         self,
         env: DistEnv,
         device: torch.device,
-        options: DDPOptions,
-        blocks: BlockOptions | None = None,
+        options: DDPConfig | None = None,
+        *,
         mesh: ParallelMesh | None = None,
+        activation_checkpointing: int = 0,
+        compile: bool = False,
     ) -> None:
-        super().__init__(env, device, blocks, mesh)
-        if options.comm_hook not in COMM_HOOKS:
-            raise ValueError(f"parallel.ddp.comm_hook={options.comm_hook!r} is not one of {COMM_HOOKS}")
+        super().__init__(env, device, mesh=mesh, activation_checkpointing=activation_checkpointing, compile=compile)
+        options = options or DDPConfig()  # its fields check their own values
         if options.comm_hook == "bf16" and device.type != "cuda":
             raise ValueError(
                 f"parallel.ddp.comm_hook='bf16' needs NCCL on CUDA GPUs (torch's bf16 hook), but the device is "
@@ -64,7 +52,7 @@ class DDPStrategy(Strategy):
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.shape.dp_size if self.mesh else self.env.world_size
+        return self.mesh.dims.dp_size if self.mesh else self.env.world_size
 
     @property
     def dp_rank(self) -> int:

@@ -11,27 +11,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainmesh.runtime.env import DistEnv
+from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Strategy
-from trainmesh.strategies.blocks import BlockOptions
 
 
 class DataParallelStrategy(Strategy):
     name = "dp"
 
-    def __init__(self, env: DistEnv, device: torch.device, blocks: BlockOptions | None = None) -> None:
+    def __init__(
+        self, env: DistEnv, device: torch.device, *, activation_checkpointing: int = 0, compile: bool = False
+    ) -> None:
         if device.type != "cuda":
             raise ValueError(
                 f"parallel.strategy='dp' (nn.DataParallel) needs CUDA GPUs, but the device is {device}. "
                 "Fix: on CPU use --parallel.strategy=ddp with several processes "
                 "(trainmesh run ... --nproc-per-node 2)."
             )
-        if env.world_size > 1:
-            raise ValueError(
-                f"parallel.strategy='dp' drives all local GPUs from ONE process, but {env.world_size} "
-                "processes were launched. Fix: --nproc-per-node 1 with dp, or use --parallel.strategy=ddp."
-            )
-        super().__init__(env, device, blocks)
+        assert env.world_size == 1, "resolve_parallelism refuses dp with several processes"
+        super().__init__(env, device, activation_checkpointing=activation_checkpointing, compile=compile)
         self.device_ids = list(range(torch.cuda.device_count()))
 
     @property

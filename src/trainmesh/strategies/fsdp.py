@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,17 +32,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainmesh.runtime.env import DistEnv
+from trainmesh.config.schema import FSDPConfig
+from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Strategy
-from trainmesh.strategies.blocks import BlockOptions
 from trainmesh.strategies.mesh import ParallelMesh
-
-
-@dataclass
-class FSDPOptions:
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    prefetch: int = 1
 
 
 class FSDPStrategy(Strategy):
@@ -57,13 +49,15 @@ class FSDPStrategy(Strategy):
         self,
         env: DistEnv,
         device: torch.device,
+        options: FSDPConfig | None = None,
+        *,
         mesh: ParallelMesh,
-        options: FSDPOptions,
         param_dtype: torch.dtype | None = None,
-        blocks: BlockOptions | None = None,
+        activation_checkpointing: int = 0,
+        compile: bool = False,
     ) -> None:
-        super().__init__(env, device, blocks, mesh)
-        self.options, self.param_dtype = options, param_dtype
+        super().__init__(env, device, mesh=mesh, activation_checkpointing=activation_checkpointing, compile=compile)
+        self.options, self.param_dtype = options or FSDPConfig(), param_dtype
 
     @property
     def shards_parameters(self) -> bool:

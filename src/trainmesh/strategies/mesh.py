@@ -31,7 +31,7 @@ class MeshError(ValueError):
 
 
 @dataclass(frozen=True)
-class MeshShape:
+class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -47,7 +47,7 @@ class MeshShape:
         dp_shard: int = -1,
         tp: int = 1,
         sharded: bool = True,
-    ) -> MeshShape:
+    ) -> ParallelDims:
         """Fill in the -1 degree and check that the degrees multiply to `world_size`. `sharded`: the
         data-parallel flavour is fsdp; otherwise data parallelism only replicates, and its degree is
         dp_replicate × dp_shard, kept under dp_replicate."""
@@ -89,27 +89,27 @@ class MeshShape:
 
 
 class ParallelMesh:
-    """The DeviceMesh of a MeshShape (built collectively) and its named sub-meshes. Only dimensions
-    larger than 1 exist in the mesh, so no process groups of one rank are created."""
+    """The mesh: the DeviceMesh of some ParallelDims (built collectively) and its named sub-meshes. Only
+    dimensions larger than 1 exist in it, so no process groups of one rank are created."""
 
-    def __init__(self, shape: MeshShape, device_type: str) -> None:
-        self.shape = shape
-        names = tuple(name for name in DIMS if getattr(shape, name) > 1) or ("dp_shard",)
-        sizes = tuple(getattr(shape, name) for name in names)
-        self.mesh: DeviceMesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    def __init__(self, dims: ParallelDims, device_type: str) -> None:
+        self.dims = dims
+        names = tuple(name for name in DIMS if getattr(dims, name) > 1) or ("dp_shard",)
+        sizes = tuple(getattr(dims, name) for name in names)
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
     def _has(self, name: str) -> bool:
-        return name in (self.mesh.mesh_dim_names or ())
+        return name in (self.device_mesh.mesh_dim_names or ())
 
     def coordinate(self, name: str) -> int:
         """This rank's index along dimension `name` (0 for a dimension of size 1)."""
-        return self.mesh.get_local_rank(name) if self._has(name) else 0
+        return self.device_mesh.get_local_rank(name) if self._has(name) else 0
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
         """The data-parallel sub-mesh: (dp_replicate, dp_shard), or whichever of them exists."""
         names = tuple(n for n in ("dp_replicate", "dp_shard") if self._has(n))
-        return self.mesh[names] if names else None
+        return self.device_mesh[names] if names else None
 
     def dp_group(self) -> dist.ProcessGroup | None:
         """One process group over this rank's data-parallel replicas (both data-parallel dimensions);
@@ -120,21 +120,21 @@ class ParallelMesh:
         if dp_mesh.ndim == 1:
             return dp_mesh.get_group()
         # Ranks with equal pp and tp coordinates, i.e. the (dp_replicate, dp_shard) slices of the mesh.
-        ranks = self.mesh.mesh.reshape(self.shape.pp, self.shape.dp_size, self.shape.tp).transpose(1, 2)
-        group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, self.shape.dp_size).tolist())
+        ranks = self.device_mesh.mesh.reshape(self.dims.pp, self.dims.dp_size, self.dims.tp).transpose(1, 2)
+        group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, self.dims.dp_size).tolist())
         return group
 
     @property
     def dp_rank(self) -> int:
-        return self.coordinate("dp_replicate") * self.shape.dp_shard + self.coordinate("dp_shard")
+        return self.coordinate("dp_replicate") * self.dims.dp_shard + self.coordinate("dp_shard")
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
-        return self.mesh["tp"] if self._has("tp") else None
+        return self.device_mesh["tp"] if self._has("tp") else None
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group("pp") if self._has("pp") else None
+        return self.device_mesh.get_group("pp") if self._has("pp") else None
 
     def pp_peer(self, stage_rank: int) -> int:
         """The global rank of this rank's pipeline peer at pipeline position `stage_rank`."""

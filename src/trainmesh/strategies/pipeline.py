@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +36,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from trainmesh.config.schema import PIPELINE_SCHEDULES, PipelineConfig
+from trainmesh.core.env import DistEnv
 from trainmesh.precision import Precision
-from trainmesh.runtime.env import DistEnv
 from trainmesh.strategies.base import Objective, Strategy
 from trainmesh.strategies.gradients import clip_gradients
 from trainmesh.strategies.mesh import ParallelMesh
@@ -55,19 +55,11 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "dualpipev": ("DualPipeV", 2, "v"),
 }
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "parallel.pipeline.schedule's choices are the schedules above"
 
 
-@dataclass
-class PipelineOptions:
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    """Pieces each loop micro-batch is cut into (m); train.micro_batch must be a multiple."""
-
-
-def schedule_problem(options: PipelineOptions, pp: int) -> str | None:
+def schedule_problem(options: PipelineConfig, pp: int) -> str | None:
     """What is wrong with running `options` on `pp` pipeline ranks (torch's own conditions), or None."""
-    if options.schedule not in SCHEDULES:
-        return f"parallel.pipeline.schedule={options.schedule!r} is not one of {', '.join(SCHEDULES)}"
     m, stages = options.microbatches, pp * SCHEDULES[options.schedule][1]
     given = f"parallel.pipeline.schedule={options.schedule!r} with parallel.pipeline.microbatches={m}"
     if options.schedule in ("1f1b", "dualpipev") and m < stages:
@@ -99,14 +91,16 @@ class PipelineStrategy(Strategy):
         return True
 
     def __init__(
-        self, env: DistEnv, device: torch.device, mesh: ParallelMesh, inner: Strategy, options: PipelineOptions
+        self, env: DistEnv, device: torch.device, inner: Strategy, options: PipelineConfig, *, mesh: ParallelMesh
     ) -> None:
-        super().__init__(env, device, inner.block_options, mesh)
-        problem = schedule_problem(options, mesh.shape.pp)
+        super().__init__(
+            env, device, mesh=mesh, activation_checkpointing=inner.activation_checkpointing, compile=inner.compile
+        )
+        problem = schedule_problem(options, mesh.dims.pp)
         if problem:
             raise ValueError(problem)
         self.inner, self.options = inner, options
-        self.pp, self.pp_rank = mesh.shape.pp, mesh.coordinate("pp")
+        self.pp, self.pp_rank = mesh.dims.pp, mesh.coordinate("pp")
         _, per_rank, style = SCHEDULES[options.schedule]
         self.num_stages = self.pp * per_rank
         if style == "v":  # rank r holds stages r and 2p-1-r
@@ -211,7 +205,7 @@ class PipelineStrategy(Strategy):
                 raise ValueError(shared_across_v_message(self.options.schedule, here))
         everyone: list[Any] = [None] * self.pp
         dist.all_gather_object(everyone, [bool(m) for m in mine], group=self.mesh.pp_group)
-        pipelines = self.mesh.mesh.mesh.reshape(self.pp, -1)  # (pp position, one column per pipeline)
+        pipelines = self.mesh.device_mesh.mesh.reshape(self.pp, -1)  # (pp position, one column per pipeline)
         for i, names_here in enumerate(mine):
             holders = [r for r in range(self.pp) if everyone[r][i]]
             if len(holders) < 2:

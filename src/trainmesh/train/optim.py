@@ -27,13 +27,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
-def _use_fused(setting: str, device: torch.device) -> bool | None:
+def _use_fused(setting: bool | None, device: torch.device) -> bool | None:
+    """optim.fused: None (unset) means on CUDA only; torch's own default (None) where it is off."""
     supported = "fused" in inspect.signature(torch.optim.AdamW).parameters
-    if setting == "false" or not supported:
+    if setting is False or not supported:
         return None
-    if setting == "auto":
-        return True if device.type == "cuda" else None
-    return True
+    return True if setting or device.type == "cuda" else None
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -19,7 +19,7 @@ import threading
 import time
 from types import FrameType
 
-from trainmesh.runtime.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAME_PRESS_S = 1.0  # a terminal's SIGINT and the one torchrun's agent forwards arrive within this

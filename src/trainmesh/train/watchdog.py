@@ -39,9 +39,9 @@ from typing import IO
 
 import torch.distributed as dist
 
-from trainmesh.runtime.errors import EXIT_STALLED
-from trainmesh.runtime.files import make_dirs, open_file, write_atomically
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.errors import EXIT_STALLED
+from trainmesh.core.files import make_dirs, open_file, write_atomically
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

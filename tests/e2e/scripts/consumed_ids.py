@@ -16,8 +16,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from trainmesh.config.validate import load_config
+from trainmesh.config import Config
+from trainmesh.job import load_config
+from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe
+from trainmesh.runtime.runtime import Runtime
 from trainmesh.worker import run_worker
 
 TRAIN_SAMPLES = 40
@@ -41,9 +44,9 @@ class IdLoggingRecipe(GPTRecipe):
         self.log_file = log_dir / f"rank_{os.environ['RANK']}.jsonl"
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
-        train, val = super().datasets()
-        return IdTagged(train, TRAIN_SAMPLES), val
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
+        train, val = super().prepare(config, runtime)
+        return Datasets(IdTagged(train, TRAIN_SAMPLES), val)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         if len(batch) == 3:  # a training micro-batch (validation batches carry no ids)

@@ -31,7 +31,7 @@ SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig(ModelConfig):
     size: str = "tiny"
     """Named shape: nano | tiny | small | gpt2 (124M) | gpt2-medium (350M) | gpt2-large (774M)."""
@@ -53,10 +53,9 @@ class GPTConfig(ModelConfig):
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"model.size={self.size!r} is not one of {', '.join(SIZES)}")
-        layers, heads, width = SIZES[self.size]
-        self.n_layer = self.n_layer or layers
-        self.n_head = self.n_head or heads
-        self.n_embd = self.n_embd or width
+        # The size's values are filled in when built, so the written config states the shape (frozen: no other way).
+        for key, value in zip(("n_layer", "n_head", "n_embd"), SIZES[self.size], strict=True):
+            object.__setattr__(self, key, getattr(self, key) or value)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head} "
@@ -130,7 +129,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
-        init_gpt_weights(self, torch.initial_seed() if seed is None else seed)
+        self.init_seed = torch.initial_seed() if seed is None else seed
+        """The seed of the initial weights (`init_gpt_weights` gives a meta-built model the same ones)."""
+        init_gpt_weights(self, self.init_seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""

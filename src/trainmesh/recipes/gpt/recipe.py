@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from trainmesh.config.schema import Config, ModelConfig
 from trainmesh.data.corpus import (
@@ -21,10 +21,10 @@ from trainmesh.data.corpus import (
 )
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
-from trainmesh.recipes.base import Recipe
+from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_weights, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import check_pipeline, check_tensor_parallel, parallelize_gpt, pipeline_stage_gpt
-from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.mesh import ParallelDims
 from trainmesh.strategies.pipeline import SCHEDULES, shared_across_v_message
 from trainmesh.strategies.plan import ParallelPlan
 
@@ -37,70 +37,60 @@ class GPTRecipe(Recipe):
     model_config_cls = GPTConfig
     data_sources = "'embedded', a text file, or a folder of token shards"
 
-    def __init__(self) -> None:
-        self.corpus: TokenCorpus | None = None
-        self.block_size = 0
-        self.seed = 0
-
     def tokens_per_sample(self, model: ModelConfig) -> int:
         assert isinstance(model, GPTConfig)
         return model.block_size
 
-    def complete_config(self, config: Config) -> None:
+    def complete_model(self, config: Config) -> ModelConfig:
+        """model.vocab_size from the tokenizer for text sources; a folder of shards must state it."""
         model = config.model
         assert isinstance(model, GPTConfig)
-        if not model.vocab_size and not Path(config.data.source).expanduser().is_dir():
-            model.vocab_size = get_tokenizer(config.data.tokenizer).vocab_size  # text sources: the tokenizer's
+        if model.vocab_size:
+            return model
+        if Path(config.data.source).expanduser().is_dir():
+            raise ValueError(
+                f"data.source={config.data.source!r} holds pre-tokenised shards, so the vocabulary size is "
+                "unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer)."
+            )
+        return replace(model, vocab_size=get_tokenizer(config.data.tokenizer).vocab_size)
 
-    def prepare(self, config: Config, runtime: Runtime) -> None:
-        cfg = config.data
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
         model = config.model
         assert isinstance(model, GPTConfig)
+        if not model.vocab_size:
+            raise ValueError("model.vocab_size is 0: complete the config first (trainmesh.job.load_config does)")
         # One process per node tokenises into the (node-local) cache and scans the shards; the others wait,
         # then read the cache.
         with runtime.local_main_first():
-            self.corpus = _resolve_corpus(config)
-            vocab = model.vocab_size or self.corpus.vocab_size
-            if vocab:
-                check_token_range(self.corpus, vocab, _cache_dir(config))
-        if not model.vocab_size:
-            if not self.corpus.vocab_size:
-                raise ValueError(
-                    f"data.source={cfg.source!r} holds pre-tokenised shards, so the vocabulary size is "
-                    "unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer)."
-                )
-            model.vocab_size = self.corpus.vocab_size
-        self.block_size = model.block_size
+            corpus = _resolve_corpus(config)
+            check_token_range(corpus, model.vocab_size, _cache_dir(config))
+        return Datasets(TokenWindows(corpus.train, model.block_size), TokenWindows(corpus.val, model.block_size))
 
-    def build_model(self, config: Config) -> nn.Module:
+    def build_model(self, config: Config, runtime: Runtime) -> nn.Module:
         assert isinstance(config.model, GPTConfig)
-        self.seed = config.run.seed  # of the initial weights, also for init_weights after a meta build
-        return GPT(config.model, self.seed)
-
-    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
-        assert self.corpus is not None, "prepare() first"
-        return TokenWindows(self.corpus.train, self.block_size), TokenWindows(self.corpus.val, self.block_size)
+        del runtime
+        return GPT(config.model, config.run.seed)  # also the seed of init_weights after a meta build
 
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
         return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
 
-    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
+    def check_parallel(self, config: Config, dims: ParallelDims) -> None:
         model = config.model
         assert isinstance(model, GPTConfig)
-        if shape.tp > 1:
-            check_tensor_parallel(model, shape.tp)
-        if shape.pp > 1:
+        if dims.tp > 1:
+            check_tensor_parallel(model, dims.tp)
+        if dims.pp > 1:
             schedule = config.parallel.pipeline.schedule
             _, per_rank, placement = SCHEDULES[schedule]
-            check_pipeline(model, shape.pp * per_rank)
+            check_pipeline(model, dims.pp * per_rank)
             # A V schedule holds the first and the last stage on one rank: the tied embedding and head
             # can only stay one tensor there without replicas, tensor parallelism or a meta build.
-            if placement == "v" and (shape.dp_size > 1 or shape.tp > 1 or config.parallel.meta_init):
+            if placement == "v" and (dims.dp_size > 1 or dims.tp > 1 or config.parallel.meta_init):
                 raise ValueError(shared_across_v_message(schedule, ["wte.weight", "lm_head.weight"]))
-        del strategy
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
-        seed = self.seed
+        assert isinstance(model, GPT)
+        seed = model.init_seed
         return ParallelPlan(
             tensor_parallel=parallelize_gpt,
             pipeline_stage=pipeline_stage_gpt,
@@ -123,7 +113,7 @@ class GPTRecipe(Recipe):
         gen = torch.Generator(device=runtime.device).manual_seed(config.run.seed)
         was_training = model.training
         model.eval()
-        with runtime.precision.autocast(), torch.random.fork_rng(devices=[]):
+        with runtime.autocast(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
             out = model.generate(idx, sample.max_new_tokens, sample.temperature, sample.top_k)
         model.train(was_training)

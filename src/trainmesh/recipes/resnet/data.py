@@ -33,7 +33,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from trainmesh.runtime.errors import UserError
+from trainmesh.core.errors import UserError
 
 DIGITS_SOURCES = ("embedded", "digits")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")

@@ -33,7 +33,7 @@ STEMS = ("auto", "imagenet", "small")
 SMALL_STEM_BELOW = 64  # stem=auto picks the small stem for images under this many pixels a side
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResNetConfig(ModelConfig):
     depth: int = 18
     """Layers: 18 | 34 (basic blocks) | 50 | 101 | 152 (bottleneck blocks)."""
@@ -55,9 +55,9 @@ class ResNetConfig(ModelConfig):
     """Channels-last memory format on CUDA (faster convolutions with tensor cores); ignored on CPU, with a log line."""
     crop_padding: int = 4
     """Training augmentation: zero-pad by this many pixels and crop back at a random offset; 0: no random crop."""
-    hflip: str = "auto"
-    """Training augmentation, random horizontal flips: auto (image folders yes, digits no: a mirrored 3 is no
-    digit) | true | false."""
+    hflip: bool | None = None
+    """Training augmentation, random horizontal flips: true | false | unset or "auto": image folders yes, digits
+    no (a mirrored 3 is no digit)."""
 
     def __post_init__(self) -> None:
         if self.depth not in DEPTHS:
@@ -65,7 +65,6 @@ class ResNetConfig(ModelConfig):
         for key, value, allowed in (
             ("model.stem", self.stem, STEMS),
             ("model.norm", self.norm, NORMS),
-            ("model.hflip", self.hflip, ("auto", "true", "false")),
         ):
             if value not in allowed:
                 raise ValueError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
@@ -78,8 +77,8 @@ class ResNetConfig(ModelConfig):
         ):
             if number < low:
                 raise ValueError(f"{name}={number} must be >= {low}")
-        if self.stem == "auto":
-            self.stem = "small" if self.image_size < SMALL_STEM_BELOW else "imagenet"
+        if self.stem == "auto":  # resolved when built, so the written config says which (frozen: no other way)
+            object.__setattr__(self, "stem", "small" if self.image_size < SMALL_STEM_BELOW else "imagenet")
 
 
 def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -184,7 +183,16 @@ class ResNet(nn.Module):
                     nn.init.zeros_(m.bn3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return classify(self.head, self.stages(self.stem(x)))
+        return classify(self.head, self.stages(self.stem(like_stem(x, self.stem))))
+
+
+def like_stem(x: torch.Tensor, stem: nn.Module) -> torch.Tensor:
+    """Images (B, C, H, W) in the memory format of the stem's first convolution: channels-last for a model
+    converted to it (model.channels_last on CUDA), so the whole network runs channels-last."""
+    weight = cast(nn.Conv2d, cast(nn.Sequential, stem)[0]).weight
+    if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
 
 
 def classify(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +228,7 @@ class ResNetStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: images (B, C, H, W); others: features. Last: logits (B, num_classes)."""
         if self.first:
-            x = self.stem(x)
+            x = self.stem(like_stem(x, self.stem))
         for stage in self.stages.values():
             for block in cast(nn.ModuleDict, stage).values():
                 x = block(x)

@@ -3,29 +3,27 @@ SyncBatchNorm, reporting validation top-1 accuracy next to the loss."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
 
-from trainmesh.config.schema import Config
+from trainmesh.config.schema import Config, ModelConfig
+from trainmesh.core.logging import get_logger
 from trainmesh.layers import convert_sync_batchnorm
-from trainmesh.recipes.base import Recipe
+from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.resnet.data import (
     DIGITS_SOURCES,
     Augment,
-    ImageData,
     ImageDataError,
     folder_classes,
     load_image_data,
 )
 from trainmesh.recipes.resnet.model import DEPTHS, ResNet, ResNetConfig, ResNetStage, count_macs
-from trainmesh.runtime.logging import get_logger
-from trainmesh.strategies.mesh import MeshShape
+from trainmesh.strategies.mesh import ParallelDims
 from trainmesh.strategies.pipeline import SCHEDULES
 from trainmesh.strategies.plan import ParallelPlan
 
@@ -41,75 +39,52 @@ class ResNetRecipe(Recipe):
     data_sources = "'embedded' (scikit-learn's digits), or a folder of class sub-folders of images"
     eval_metrics = ("top1",)
 
-    def __init__(self) -> None:
-        self.data: ImageData | None = None
-        self.device = torch.device("cpu")
-        self.sync_batchnorm = False  # convert to SyncBatchNorm (norm=sync_batch with several dp ranks)
-        self.dp_group: dist.ProcessGroup | None = None  # ... over this group
-        self.channels_last = False  # decided in build_model: CUDA only
-
-    def complete_config(self, config: Config) -> None:
+    def complete_model(self, config: Config) -> ModelConfig:
+        """Classes and channels from the data (digits; an image folder this machine sees), flips by the data."""
         model = config.model
         assert isinstance(model, ResNetConfig)
         digits = config.data.source in DIGITS_SOURCES
-        if model.hflip == "auto":
-            model.hflip = "false" if digits else "true"
+        if model.hflip is None:
+            model = replace(model, hflip=not digits)
         if digits:
-            model.num_classes = model.num_classes or 10
-            model.in_channels = model.in_channels or 1
-            return
+            return replace(model, num_classes=model.num_classes or 10, in_channels=model.in_channels or 1)
         root = Path(config.data.source).expanduser()
-        if root.is_dir():  # a folder only the worker nodes see is resolved in prepare() instead
-            model.num_classes = model.num_classes or len(folder_classes(root))
-            model.in_channels = model.in_channels or 3
+        if root.is_dir():  # a folder only the worker nodes see is resolved when they resolve the job
+            return replace(
+                model, num_classes=model.num_classes or len(folder_classes(root)), in_channels=model.in_channels or 3
+            )
+        return model
 
-    def prepare(self, config: Config, runtime: Runtime) -> None:
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
         model = config.model
         assert isinstance(model, ResNetConfig)
-        if model.hflip == "auto":  # a config built without load_config
-            self.complete_config(config)
-        augment = Augment(model.crop_padding, model.hflip == "true")
+        augment = Augment(model.crop_padding, bool(model.hflip))
         data = load_image_data(
             config.data.source, model.image_size, model.in_channels, config.data.val_fraction, augment, config.run.seed
         )
-        if model.num_classes and model.num_classes < data.num_classes:
+        if model.num_classes < data.num_classes:
             raise ImageDataError(
                 f"model.num_classes={model.num_classes} but data.source={config.data.source!r} has "
                 f"{data.num_classes} classes. Fix: --model.num_classes={data.num_classes} (or 0: from the data)."
             )
-        model.num_classes = model.num_classes or data.num_classes
-        model.in_channels = model.in_channels or data.in_channels
-        self.data = data
-        self.device = runtime.device
         if runtime.is_main_process:
             log.info("%s", data.description)
-        if model.norm == "sync_batch" and runtime.dp_size > 1:
-            # Statistics are synchronised over the data-parallel replicas only (not pipeline peers).
-            self.sync_batchnorm = True
-            self.dp_group = runtime.data_parallel_group()
+        return Datasets(data.train, data.val)
 
-    def build_model(self, config: Config) -> nn.Module:
+    def build_model(self, config: Config, runtime: Runtime) -> nn.Module:
         cfg = config.model
         assert isinstance(cfg, ResNetConfig)
         model: nn.Module = ResNet(cfg)
-        if self.sync_batchnorm:
-            model = convert_sync_batchnorm(model, self.dp_group)  # None: the world
+        if cfg.norm == "sync_batch" and runtime.dp_size > 1:
+            # Statistics are synchronised over the data-parallel replicas only (not pipeline peers).
+            model = convert_sync_batchnorm(model, runtime.data_parallel_group())  # None: the world
         elif cfg.norm == "sync_batch":
             log.info("model.norm=sync_batch with one data-parallel rank: plain BatchNorm (nothing to synchronise)")
-        self.channels_last = cfg.channels_last and self.device.type == "cuda"
-        if self.channels_last:
+        if cfg.channels_last and runtime.device.type == "cuda":  # the model then takes its inputs channels-last too
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         elif cfg.channels_last:
-            log.info("model.channels_last is ignored on %s: it speeds up CUDA convolutions only", self.device.type)
+            log.info("model.channels_last is ignored on %s: it speeds up CUDA convolutions only", runtime.device.type)
         return model
-
-    def datasets(self) -> tuple[Dataset[Any], Dataset[Any]]:
-        assert self.data is not None, "prepare() first"
-        return self.data.train, self.data.val
-
-    def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        x, y = batch  # (B, C, S, S), (B,)
-        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x), y
 
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
         return F.cross_entropy(output.float(), targets, reduction="sum")  # fp32 under any precision
@@ -123,11 +98,11 @@ class ResNetRecipe(Recipe):
             "top1": (output.argmax(dim=1) == targets).sum(),
         }
 
-    def check_parallel(self, config: Config, strategy: str, shape: MeshShape) -> None:
-        super().check_parallel(config, strategy, shape)  # no tensor parallelism, no meta build
+    def check_parallel(self, config: Config, dims: ParallelDims) -> None:
+        super().check_parallel(config, dims)  # no tensor parallelism, no meta build
         cfg = config.model
         assert isinstance(cfg, ResNetConfig)
-        stages = shape.pp * SCHEDULES[config.parallel.pipeline.schedule][1] if shape.pp > 1 else 1
+        stages = dims.pp * SCHEDULES[config.parallel.pipeline.schedule][1] if dims.pp > 1 else 1
         blocks = sum(DEPTHS[cfg.depth][1])
         if stages > blocks:
             raise ValueError(

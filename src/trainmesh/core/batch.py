@@ -19,8 +19,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainmesh.config.schema import TrainConfig
-
 
 class BatchMathError(ValueError):
     """A global batch that cannot be split into whole micro-batches across the ranks."""
@@ -41,39 +39,47 @@ class BatchPlan:
 
     @classmethod
     def derive(
-        cls, train: TrainConfig, dp_size: int, tokens_per_sample: int = 0, other_dp_sizes: Sequence[int] = ()
+        cls,
+        *,
+        micro_batch: int,
+        dp_size: int,
+        global_batch: int = 0,
+        global_batch_tokens: int = 0,
+        tokens_per_sample: int = 0,
+        other_dp_sizes: Sequence[int] = (),
     ) -> BatchPlan:
-        """The plan at `dp_size` replicas. `other_dp_sizes`: the sizes the same job may also run at (an
+        """The plan at `dp_size` replicas for train.micro_batch, train.global_batch (0: no accumulation) and
+        train.global_batch_tokens (0: unset). `other_dp_sizes`: the sizes the same job may also run at (an
         elastic node range), so that a suggested fix divides at every one of them."""
-        micro = train.micro_batch
+        micro = micro_batch
         per_micro_step = micro * dp_size
-        global_batch = train.global_batch or per_micro_step
-        source = f"train.global_batch={train.global_batch}"
-        if train.global_batch_tokens:
+        source = f"train.global_batch={global_batch}"
+        global_batch = global_batch or per_micro_step
+        if global_batch_tokens:
             if not tokens_per_sample:
                 raise BatchMathError(
                     "train.global_batch_tokens is only meaningful for token recipes; "
                     "use train.global_batch (in samples) instead."
                 )
-            if train.global_batch_tokens % tokens_per_sample:
-                lower = train.global_batch_tokens // tokens_per_sample * tokens_per_sample
+            if global_batch_tokens % tokens_per_sample:
+                lower = global_batch_tokens // tokens_per_sample * tokens_per_sample
                 raise BatchMathError(
-                    f"train.global_batch_tokens={train.global_batch_tokens} is not a whole number of "
+                    f"train.global_batch_tokens={global_batch_tokens} is not a whole number of "
                     f"sequences of {tokens_per_sample} tokens (model.block_size): "
-                    f"{train.global_batch_tokens} / {tokens_per_sample} = "
-                    f"{train.global_batch_tokens / tokens_per_sample:.2f}. "
+                    f"{global_batch_tokens} / {tokens_per_sample} = "
+                    f"{global_batch_tokens / tokens_per_sample:.2f}. "
                     f"Fix: --train.global_batch_tokens={lower} or {lower + tokens_per_sample}."
                 )
-            global_batch = train.global_batch_tokens // tokens_per_sample
+            global_batch = global_batch_tokens // tokens_per_sample
             source = (
-                f"train.global_batch_tokens={train.global_batch_tokens} "
+                f"train.global_batch_tokens={global_batch_tokens} "
                 f"(= {global_batch} sequences × {tokens_per_sample} tokens)"
             )
         if global_batch % per_micro_step:
             sizes = sorted({dp_size, *other_dp_sizes})
             step = math.lcm(*(micro * d for d in sizes))  # a global batch that splits at every size
             lower = max(step, global_batch // step * step)
-            if train.global_batch_tokens:  # suggest the key the user actually set
+            if global_batch_tokens:  # suggest the key the user actually set
                 unit, key, scale = "tokens", "train.global_batch_tokens", tokens_per_sample
             else:
                 unit, key, scale = "samples", "train.global_batch", 1

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainmesh.runtime.env import DistEnv, free_port
-from trainmesh.runtime.logging import get_logger
+from trainmesh.core.env import DistEnv, free_port
+from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -8,7 +8,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from trainmesh.versions import versions
+from trainmesh.core.versions import versions
 
 ENV_PREFIXES = (
     "RANK",

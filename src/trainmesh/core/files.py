@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from trainmesh.runtime.errors import UserError
+from trainmesh.core.errors import UserError
 
 
 class UnsafePathError(UserError, OSError):

@@ -1,0 +1,176 @@
+"""Resolve once: what the user asked for (a config) and where it runs (a world size) become one frozen `Job`.
+
+    config = load_config("configs/gpt-tiny.toml", ["--optim.lr=3e-4"], "gpt")   # defaults < file < overrides
+    job = resolve(config, world_size=2)      # every check, BEFORE any process starts or any file is written
+    job.layout                               # ("ddp", ParallelDims(dp_replicate=2)): strategy and mesh degrees
+    job.batch.describe()                     # global batch = micro-batch × accumulation × data-parallel ranks
+    runtime = job.runtime()                  # in each worker: the Runtime of exactly this layout
+
+`trainmesh check` prints the Job of every world size a launch may run at; `trainmesh run` resolves it, names the
+run and writes its config; each worker resolves the written config at its real world size (the same Job, as
+the config is already complete) and hands it to `Runtime` and the loop, which only read it. The config
+sections are frozen dataclasses: nothing downstream can change what was resolved, and `config.toml` and
+every checkpoint record the same `job.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainmesh.config.loader import (
+    ConfigError,
+    build_config,
+    config_to_dict,
+    dump_toml,
+    load_toml,
+    merge_overrides,
+    parse_override,
+)
+from trainmesh.config.schema import Config
+from trainmesh.core.batch import BatchMathError, BatchPlan
+from trainmesh.core.env import DistEnv
+from trainmesh.recipes import Recipe, get_recipe
+from trainmesh.strategies import Layout, check_layout, resolve_parallelism
+
+if TYPE_CHECKING:
+    from trainmesh.runtime.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Job:
+    """A config resolved for one world size: what every rank of the job runs. Build it with `resolve`."""
+
+    config: Config
+    """Complete: the recipe's derived model settings (vocabulary size, classes, channels) are filled in."""
+    world_size: int
+    layout: Layout
+    """The data-parallel strategy (`auto` resolved) and the degrees of the device mesh."""
+    batch: BatchPlan
+    """Global batch = micro-batch × accumulation steps × data-parallel ranks."""
+
+    @property
+    def recipe(self) -> Recipe:
+        return get_recipe(self.config.run.recipe)
+
+    @property
+    def run_id(self) -> str:
+        """The run folder's name under run.out_dir; empty until the launcher (or rank 0) names it."""
+        return self.config.run.id
+
+    @property
+    def resume(self) -> bool:
+        """Whether the run continues from its newest checkpoint (checkpoint.resume, or an elastic launch)."""
+        return self.config.checkpoint.resume
+
+    def named(self, run_id: str, *, resume: bool) -> Job:
+        """This job with its run id and resume decision made (a new Job; this one is unchanged)."""
+        run = dataclasses.replace(self.config.run, id=run_id)
+        checkpoint = dataclasses.replace(self.config.checkpoint, resume=resume)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, run=run, checkpoint=checkpoint))
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config as recorded in `config.toml` and in every checkpoint."""
+        return config_to_dict(self.config)
+
+    def config_toml(self) -> str:
+        return dump_toml(self.config_dict())
+
+    def runtime(self, env: DistEnv | None = None) -> Runtime:
+        """The Runtime of this job in this process (collective: every rank of the job creates it)."""
+        from trainmesh.runtime.runtime import Runtime  # imported here: `trainmesh check` never needs it
+
+        c = self.config
+        return Runtime(
+            precision=c.train.precision,
+            parallel=c.parallel,
+            dist=c.dist,
+            compile=c.train.compile,
+            deterministic=c.run.deterministic,
+            tf32=c.train.tf32,
+            env=env,
+            layout=self.layout,
+        )
+
+
+def load_config(path: str | Path | None, overrides: list[str], recipe: str | None = None) -> Config:
+    """Defaults < TOML file < overrides, completed by the recipe (`Recipe.complete_model`); `recipe` (from the
+    command line) must agree with run.recipe."""
+    in_toml = load_toml(path) if path else {}
+    data = merge_overrides(in_toml, overrides)
+    in_file = data.get("run", {}).get("recipe")
+    if recipe and in_file and in_file != recipe:
+        raise ConfigError(
+            f"the command names recipe {recipe!r} but the config has run.recipe={in_file!r}. "
+            f"Fix: trainmesh run {in_file} ..., or change run.recipe."
+        )
+    name = recipe or in_file or "gpt"
+    data.setdefault("run", {})["recipe"] = name
+    try:
+        chosen = get_recipe(name)
+        config = build_config(data, chosen.model_config_cls)
+        return dataclasses.replace(config, model=chosen.complete_model(config))
+    except ValueError as e:  # a key's value, an unknown key, recipe or tokenizer
+        keys_set_here = [parse_override(o)[0] for o in overrides]
+        raise ConfigError(_with_origin(str(e), path, _dotted_keys(in_toml), keys_set_here)) from None
+
+
+def _with_origin(message: str, path: str | Path | None, file_keys: set[str], override_keys: list[str]) -> str:
+    """`message`, saying where the key it names was set: the config file, or an override on the command line."""
+    for key in re.findall(r"\b[a-z_0-9]+(?:\.[a-z_0-9]+)+\b", message):
+        if key in override_keys:
+            return f"{message} (set on the command line: --{key}=...)"
+        if key in file_keys:
+            return f"config file {str(path)!r}: {message}"
+    return message
+
+
+def _dotted_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in table.items():
+        keys |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def resolve(config: Config, world_size: int, other_world_sizes: Sequence[int] = ()) -> Job:
+    """The Job of `config` (from `load_config`, or built in code) at `world_size` ranks, after every check across
+    sections (ConfigError naming the keys and a fix). `other_world_sizes`: the sizes the same job may also run
+    at (elastic), so that a suggested batch fix holds at all of them."""
+    recipe = get_recipe(config.run.recipe)
+    par, train = config.parallel, config.train
+    try:
+        config = dataclasses.replace(config, model=recipe.complete_model(config))  # as load_config did: a no-op
+        layout = resolve_parallelism(par, world_size)
+        check_layout(par, layout, train.precision)
+        recipe.check_parallel(config, layout.dims)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if layout.dims.pp > 1 and train.micro_batch % par.pipeline.microbatches:
+        fits = _divisor(train.micro_batch, par.pipeline.microbatches)
+        raise ConfigError(
+            f"train.micro_batch={train.micro_batch} cannot be cut into parallel.pipeline.microbatches="
+            f"{par.pipeline.microbatches} equal pieces for the pipeline. Fix: a train.micro_batch that is a "
+            f"multiple of {par.pipeline.microbatches}, or --parallel.pipeline.microbatches={fits}."
+        )
+    try:
+        others = [resolve_parallelism(par, w).dims.dp_size for w in other_world_sizes if w != world_size]
+        batch = BatchPlan.derive(
+            micro_batch=train.micro_batch,
+            global_batch=train.global_batch,
+            global_batch_tokens=train.global_batch_tokens,
+            dp_size=layout.dims.dp_size,
+            tokens_per_sample=recipe.tokens_per_sample(config.model),
+            other_dp_sizes=others,
+        )
+    except (BatchMathError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return Job(config, world_size, layout, batch)
+
+
+def _divisor(n: int, near: int) -> int:
+    """The divisor of n closest to `near` (a suggestion for a fix)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))

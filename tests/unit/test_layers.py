@@ -1,0 +1,93 @@
+"""The layers of trainmesh (docs/concepts.md): imports point down only, so no two packages import each other.
+
+Every `trainmesh` import in the source counts, lazy ones inside functions too; only imports under
+`if TYPE_CHECKING:` (annotations, never run) are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parents[2] / "src" / "trainmesh"
+
+# Bottom to top. A package may import packages of lower layers only (and itself).
+LAYERS: list[set[str]] = [
+    {"core"},  # environment, process group plumbing, logging, exit codes, files, batch plan: imports nothing
+    {"config"},  # pure data: the option dataclasses and the names they may take
+    {"precision", "data", "faults", "layers", "metrics", "testing"},
+    {"strategies"},
+    {"runtime", "checkpoint"},
+    {"recipes"},
+    {"train"},
+    {"job", "rundir", "launch", "reference"},
+    {"worker", "commands"},
+    {"cli", "__main__"},
+]
+FACADE = "__init__"  # trainmesh/__init__.py names the public API lazily; nothing imports it but the CLI (--version)
+
+
+def _unit(path: Path) -> str:
+    """The layer unit of a source file: its sub-package, or the module itself at the top level."""
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported unit) of every trainmesh import in `path` outside `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "trainmesh":
+                found.append((node.lineno, parts[1] if len(parts) > 1 else FACADE))
+    return found
+
+
+def _layer_of() -> dict[str, int]:
+    return {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def test_every_package_has_a_layer() -> None:
+    units = {_unit(p) for p in SRC.rglob("*.py")} - {FACADE}
+    assert units == set(_layer_of()), "add the new package to LAYERS (and docs/concepts.md), or drop the old one"
+
+
+def test_imports_point_down_only() -> None:
+    layer = _layer_of()
+    upward = []
+    for path in sorted(SRC.rglob("*.py")):
+        here = _unit(path)
+        for line, there in _imports(path):
+            if there == here or (there == FACADE and here == "cli"):
+                continue
+            if there == FACADE or layer[there] >= layer[here]:
+                upward.append(f"{path.relative_to(SRC.parent)}:{line}: {here} imports {there}")
+    assert not upward, "imports that point up or sideways (a cycle waiting to happen):\n" + "\n".join(upward)
+
+
+def test_the_check_catches_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above must fail on the cycles this project once had, e.g. runtime <-> strategies."""
+    sources = {"runtime": "from trainmesh.strategies import Strategy\n", "strategies": "import trainmesh.runtime\n"}
+    for unit, text in sources.items():
+        (tmp_path / unit).mkdir()
+        (tmp_path / unit / "m.py").write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    with pytest.raises(AssertionError, match="strategies imports runtime"):
+        test_imports_point_down_only()
+    (tmp_path / "strategies" / "m.py").write_text("if TYPE_CHECKING:\n    import trainmesh.runtime\n")
+    test_imports_point_down_only()  # annotations only: allowed

@@ -2,7 +2,7 @@
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
-trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4
+trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
 trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors

@@ -15,7 +15,8 @@ phase: step (default: right after optimizer step `step` completes) | data (while
 
 Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
 attempt that torchrun restarts after it does not inject it again. The worker parses the variable once
-(`FaultPlan.from_environ`) and passes the plan down; unset, the plan is empty and does nothing.
+(`FaultPlan.from_environ`) and passes the plan down; unset, the plan is empty and does nothing. Code that
+calls `train.loop.train` or builds a `Checkpointer` itself (the benchmarks) passes no plan: no faults.
 """
 
 from __future__ import annotations

@@ -52,10 +52,8 @@ class Job:
     """The data-parallel strategy (`auto` resolved) and the degrees of the device mesh."""
     batch: BatchPlan
     """Global batch = micro-batch × accumulation steps × data-parallel ranks."""
-
-    @property
-    def recipe(self) -> Recipe:
-        return get_recipe(self.config.run.recipe)
+    recipe: Recipe
+    """The built-in recipe run.recipe names, or the caller's own (recipes hold no state)."""
 
     @property
     def run_id(self) -> str:
@@ -136,11 +134,14 @@ def _dotted_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
-def resolve(config: Config, world_size: int, other_world_sizes: Sequence[int] = ()) -> Job:
+def resolve(
+    config: Config, world_size: int, other_world_sizes: Sequence[int] = (), recipe: Recipe | None = None
+) -> Job:
     """The Job of `config` (from `load_config`, or built in code) at `world_size` ranks, after every check across
     sections (ConfigError naming the keys and a fix). `other_world_sizes`: the sizes the same job may also run
-    at (elastic), so that a suggested batch fix holds at all of them."""
-    recipe = get_recipe(config.run.recipe)
+    at (elastic), so that a suggested batch fix holds at all of them. `recipe`: your own, instead of the
+    built-in one run.recipe names."""
+    recipe = recipe or get_recipe(config.run.recipe)
     par, train = config.parallel, config.train
     try:
         config = dataclasses.replace(config, model=recipe.complete_model(config))  # as load_config did: a no-op
@@ -168,7 +169,7 @@ def resolve(config: Config, world_size: int, other_world_sizes: Sequence[int] = 
         )
     except (BatchMathError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    return Job(config, world_size, layout, batch)
+    return Job(config, world_size, layout, batch, recipe)
 
 
 def _divisor(n: int, near: int) -> int:

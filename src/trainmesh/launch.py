@@ -241,7 +241,7 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
 # across rounds publishes MASTER_ADDR/MASTER_PORT into the round's store only in its first round
 # (DynamicRendezvousHandler.next_rendezvous caches it), while the new node waits for them in the new
 # round's keys until the store times out. Not shared, rank 0 publishes them every round, and its worker
-# 0 hosts a new store for each round (runtime.dist.attempt_store).
+# 0 hosts a new store for each round (core.dist.attempt_store).
 NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 

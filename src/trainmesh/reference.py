@@ -42,7 +42,7 @@ def _rows(cls: type[Any], prefix: str) -> list[str]:
         if dataclasses.is_dataclass(value):
             rows += _rows(type(value), f"{prefix}{f.name}.")
             continue
-        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        shown = str(value).lower() if isinstance(value, bool) else "unset (auto)" if value is None else repr(value)
         meaning = docs.get(f.name, "").replace("|", "\\|")  # a bare | would end the table cell
         rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
     return rows

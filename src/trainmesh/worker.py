@@ -18,6 +18,7 @@ from typing import IO, Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainmesh.config import Config, ConfigError
+from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import store_client
 from trainmesh.core.env import DistEnv
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
@@ -60,7 +61,7 @@ def run_worker(
     holds the run folder's lock (`trainmesh run` passes it); without it, rank 0 takes the lock.
     """
     env = DistEnv.from_environ()
-    job = resolve(config, env.world_size)  # the real world size, e.g. under srun
+    job = resolve(config, env.world_size, recipe=recipe)  # the real world size, e.g. under srun
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     runtime = job.runtime(env)
     lock: RunLock | None = None
@@ -70,9 +71,11 @@ def run_worker(
         # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
         # so the ranks agree: when any rank restarted, or was asked to resume, all resume.
         resume = bool(runtime.all_reduce(float(restarted or job.resume), "max"))
-        _check_same_config(job, runtime)
-        run_dir, lock = _take_run_dir(job, run_dir, launch_id, runtime, job.resume and not restarted)
-        job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
+        asked_to_resume, job = job.resume, job.named(job.run_id, resume=resume)
+        _check_same_config(job, runtime)  # as agreed: a node's own config.toml may say resume = true by now
+        run_dir, lock = _take_run_dir(job, run_dir, launch_id, runtime, asked_to_resume and not restarted)
+        if RUN_ID.fullmatch(run_dir.name):  # a --run-dir of any other name leaves run.id as it is
+            job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
         worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
         runtime.on_main(lambda: write_config(run_dir, job.config))
         if runtime.is_main_process:
@@ -85,7 +88,7 @@ def run_worker(
         faults = FaultPlan.from_environ(runtime.rank, run_dir)  # the test hook, parsed once
         with PreemptionWatch() as preemption, stall_watch as watchdog:
             hooks = RunHooks(preemption, watchdog, faults)
-            result = train(job.config, job.batch, recipe or job.recipe, runtime, run_dir, hooks)
+            result = train(job.config, job.batch, job.recipe, runtime, run_dir, hooks)
         if runtime.is_main_process:
             _report(result, run_dir)
         if before_teardown is not None:
@@ -169,7 +172,7 @@ def _report(result: TrainResult, run_dir: Path) -> None:
 
 def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m trainmesh", description=__doc__)
-    parser.add_argument("recipe", help="recipe to train (gpt)")
+    parser.add_argument("recipe", help="recipe to train (gpt | resnet)")
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.id>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")

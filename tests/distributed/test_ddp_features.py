@@ -161,3 +161,27 @@ def test_bf16_compression_is_refused_without_nccl() -> None:
     env = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
     with pytest.raises(ValueError, match=r"comm_hook='bf16' needs NCCL.*--parallel.ddp.comm_hook=fp16"):
         DDPStrategy(env, torch.device("cpu"), DDPConfig(comm_hook="bf16"))
+
+
+def collectives_rank(rank: int, root: str, steps: int) -> int:
+    """How many all-reduces this rank's training of `steps` steps issued from Python (DDP's own gradient
+    all-reduce runs in its C++ reducer and is not counted)."""
+    calls = [0]
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    overrides = [f"--train.max_steps={steps}", "--run.log_every=1", "--train.eval_every=0", f"--run.id=c{steps}"]
+    train_rank(rank, root, [*overrides, "--checkpoint.final=false", "--sample.max_new_tokens=0"])
+    return calls[0]
+
+
+def test_logging_every_step_costs_no_collective_of_its_own(tmp_path: Path) -> None:
+    """One all-reduce per step, as a plain DDP loop that logs its loss has: the logged loss rides on the
+    all-reduce that counts the step's targets (train/window.py). Fixed costs (evaluation, the last record)
+    cancel out between a short and a longer run."""
+    short, long = (run_distributed(collectives_rank, 2, args=(str(tmp_path), steps))[0] for steps in (4, 12))
+    assert (long - short) / 8 == 1, (short, long)

@@ -9,9 +9,10 @@ import pytest
 
 from support import assert_config_recorded, nano_config
 from trainmesh.config import ConfigError
-from trainmesh.config.schema import ParallelConfig
+from trainmesh.config.schema import ModelConfig, ParallelConfig
 from trainmesh.core.env import DistEnv
 from trainmesh.job import load_config, resolve
+from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import ParallelDims
 from trainmesh.worker import run_worker
@@ -59,3 +60,28 @@ def test_config_toml_is_what_every_checkpoint_records(tmp_path: Path) -> None:
     run_worker(nano_config(tmp_path, *resumed), run_dir)
     assert "resume = true" in (run_dir / "config.toml").read_text()
     assert assert_config_recorded(run_dir, since_step=5) == 1  # step 6's: the checkpoints of this attempt
+
+
+def test_a_key_of_an_earlier_version_says_what_it_became() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'run.name'. It was renamed: run.id .*--run-id"):
+        load_config(None, ["--run.name=old"], "gpt")
+
+
+def test_a_run_folder_of_any_name_still_trains(tmp_path: Path) -> None:
+    """--run-dir (or a library caller) may name a folder that is no run id: run.id then stays as it was."""
+    run_dir = tmp_path / "_scratch run"
+    run_worker(nano_config(tmp_path, "--train.max_steps=2", "--checkpoint.final=true"), run_dir)
+    assert assert_config_recorded(run_dir) == 1
+
+
+def test_your_own_recipe_is_the_one_the_job_is_resolved_with(tmp_path: Path) -> None:
+    """A recipe passed to run_worker decides the batch plan (here: 2 tokens per sample, not block_size)."""
+
+    class Pairs(GPTRecipe):
+        def tokens_per_sample(self, model: ModelConfig) -> int:
+            return 2
+
+    config = load_config(None, ["--train.micro_batch=4", "--train.global_batch_tokens=64"], "gpt")
+    assert resolve(config, 1, recipe=Pairs()).batch.global_batch == 32
+    with pytest.raises(ConfigError, match="not a whole number of sequences of 128 tokens"):
+        resolve(config, 1)  # the built-in GPT's samples are block_size tokens long

@@ -20,6 +20,8 @@ import tomli_w
 from trainmesh.config.schema import Config, ModelConfig
 from trainmesh.core.errors import UserError
 
+RENAMED = {"run.name": "run.id (on the command line: --run-id)"}  # keys of earlier versions, for the message
+
 
 class ConfigError(UserError, ValueError):
     """A configuration the user must fix; the message names the key and the fix."""
@@ -101,6 +103,8 @@ def _build(cls: type[Any], data: Any, prefix: str, given: dict[str, Any] | None 
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            if f"{prefix}{key}" in RENAMED:
+                hint = f" It was renamed: {RENAMED[prefix + key]}."
             allowed = ", ".join(sorted(prefix + k for k in known))
             raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} Known keys here: {allowed}")
     kwargs = {}

@@ -10,8 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainmesh.core.dist import BACKENDS, DEBUG_LEVELS, DEVICES
-
+DEVICES = ("auto", "cpu", "cuda", "mps")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+DEBUG_LEVELS = ("off", "info", "detail")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 COMM_HOOKS = ("none", "fp16", "bf16")

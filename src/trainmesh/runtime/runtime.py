@@ -53,13 +53,26 @@ _OPS = {
 
 
 class PendingReduce:
-    """An all-reduce in flight; `result()` waits once and returns the reduced numbers."""
+    """An all-reduce in flight; `result()` waits once and returns the reduced numbers, `carried()` the reduced
+    value of the tensor that rode along (see `Runtime.all_reduce_async`)."""
 
-    def __init__(self, tensor: torch.Tensor, work: Any, divisor: int) -> None:
-        self._tensor, self._work, self._divisor = tensor, work, divisor
+    def __init__(
+        self, tensor: torch.Tensor, work: Any, divisor: int, count: int, carry: torch.Tensor | None = None
+    ) -> None:
+        self._tensor, self._work, self._divisor, self._count = tensor, work, divisor, count
+        self._carry = carry  # one rank: not reduced, read only when asked for (a device sync on a GPU)
         self._values: list[float] | None = None
 
     def result(self) -> list[float]:
+        return self._reduced()[: self._count]
+
+    def carried(self) -> float:
+        if self._carry is not None:
+            return float(self._carry) / self._divisor
+        reduced = self._reduced()
+        return reduced[self._count] if len(reduced) > self._count else 0.0
+
+    def _reduced(self) -> list[float]:
         if self._values is None:
             if self._work is not None:
                 self._work.wait()
@@ -87,6 +100,7 @@ class Runtime:
         env: DistEnv | None = None,
         layout: Layout | None = None,
     ) -> None:
+        # `dist` (the [dist] section) hides the torch.distributed module in here only: use dist_config below.
         parallel = parallel or ParallelConfig()
         if strategy is not None:
             parallel = replace(parallel, strategy=strategy)
@@ -319,14 +333,21 @@ class Runtime:
                 tensor /= self.world_size
         return tensor
 
-    def all_reduce_async(self, values: list[float], op: ReduceOp = "sum") -> PendingReduce:
-        """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute)."""
+    def all_reduce_async(
+        self, values: list[float], op: ReduceOp = "sum", carry: torch.Tensor | None = None
+    ) -> PendingReduce:
+        """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute). `carry`:
+        a one-number tensor (on this rank's device) reduced in the same collective, read by `.carried()`: a value
+        that would otherwise need a collective of its own (the loop's logged loss)."""
         tensor = torch.tensor(values, dtype=torch.float64)
         if not (self._has_group and self.world_size > 1):  # nothing to reduce: no trip through the device,
-            return PendingReduce(tensor, None, 1)  # whose read-back would wait for the queued GPU work
-        tensor = tensor.to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32)
+            return PendingReduce(tensor, None, 1, len(values), carry)  # whose read-back would wait for the GPU
+        dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+        tensor = tensor.to(self.device, dtype)
+        if carry is not None:
+            tensor = torch.cat([tensor, carry.detach().reshape(1).to(dtype)])
         work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
-        return PendingReduce(tensor, work, self.world_size if op == "mean" else 1)
+        return PendingReduce(tensor, work, self.world_size if op == "mean" else 1, len(values))
 
     # `group`: another group of all ranks, e.g. one that a background thread uses while training runs.
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:

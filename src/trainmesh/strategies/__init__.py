@@ -135,6 +135,7 @@ def build_strategy(
     parallel = parallel or ParallelConfig()
     name, dims = layout
     assert name in STRATEGIES and name != "auto", f"resolve parallel.strategy={name!r} first"
+    assert dims.world_size == env.world_size, f"{layout} was resolved for another world size than {env.world_size}"
     needs_mesh = name == "fsdp" or dims.pp > 1 or dims.tp > 1
     mesh = ParallelMesh(dims, device.type) if needs_mesh else None
     every = parallel.activation_checkpointing

@@ -1,7 +1,8 @@
 """The training loop. One optimizer step (`train_step`) is:
 
     1. read this rank's `accum_steps` micro-batches of the global batch (data/sharding.py)
-    2. all-reduce how many targets the whole global batch holds (the loss's true denominator)
+    2. all-reduce how many targets the whole global batch holds (the loss's true denominator), together with
+       the previous step's loss for the log (train/window.py) and any stop request
     3. forward + backward each micro-batch; only the last one synchronises gradients (no_sync; a
        pipeline synchronises its stages' gradients at the end of each pass of its schedule)
     4. unscale (fp16), clip the global gradient norm, step (skipped together on overflow), zero grads
@@ -37,12 +38,12 @@ from trainmesh.core.logging import get_logger
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.recipes.base import Recipe
-from trainmesh.runtime.runtime import Runtime
+from trainmesh.runtime.runtime import PendingReduce, Runtime
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.optim import lr_at, set_lr
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.setup import Session, set_up
-from trainmesh.train.window import MetricsWindow
+from trainmesh.train.window import MetricsWindow, Record
 
 log = get_logger(__name__)
 
@@ -72,6 +73,8 @@ class StepResult:
     """False when the step was skipped (fp16 overflow, or a non-finite gradient with nonfinite=skip)."""
     stop_votes: float
     """Ranks that received SIGTERM or Ctrl-C before this step."""
+    reduce: PendingReduce
+    """The step's all-reduce, which also carried the loss of the steps before it (for the metrics window)."""
 
 
 def train(
@@ -113,10 +116,22 @@ def _run(
     checkpoint: Path | None = None
     stop = 0  # the stop signal the ranks agreed on (PreemptionWatch.vote)
 
+    def report(record: Record | None) -> None:
+        nonlocal train_loss
+        if record is not None:
+            train_loss = record.metrics["loss"]
+            if s.writer:
+                s.writer.write(record.step, record.metrics)
+            progress.update(record.step, train_loss, record.metrics["lr"], record.metrics.get("tokens_per_s"))
+
+    def save() -> Path:
+        report(window.flush())  # the records up to a checkpoint are written before it: a resume continues after
+        return s.save(runtime)
+
     for step in range(state.step, tcfg.max_steps):
         lr = lr_at(step, config.optim, tcfg.max_steps)
         set_lr(s.optimizer, lr)
-        result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg)
+        result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg, window.carry())
         skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
         if skipped_in_a_row > tcfg.max_skipped_steps:
             raise NonFiniteError(
@@ -125,15 +140,10 @@ def _run(
         state.step = step + 1
         state.samples_seen += plan.global_batch
         hooks.after_step(state.step)
-        window.add(result.loss, result.targets, result.stepped)
-
-        if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or result.stop_votes:
-            with profiler.phase("log"):
-                metrics = window.close(lr, result.grad_norm)
-                train_loss = metrics["loss"]
-                if s.writer:
-                    s.writer.write(state.step, metrics)
-                progress.update(state.step, train_loss, lr, metrics.get("tokens_per_s"))
+        with profiler.phase("log"):
+            report(window.add(result.reduce, result.loss, result.targets, result.stepped))  # the previous window's
+            if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or result.stop_votes:
+                window.close(state.step, lr, result.grad_norm)
         profiler.step()
 
         pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
@@ -141,23 +151,24 @@ def _run(
             val_loss = evaluate()
             progress.message(f"step {state.step}: val loss {val_loss:.4f}")
         if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
-            checkpoint = s.save(runtime)
+            checkpoint = save()
         hooks.progress(state.step)
         window.pause(time.perf_counter() - pause_start)
         if result.stop_votes:  # SIGTERM or Ctrl-C reached some rank; every rank learns it at this same step
             stop = int(runtime.all_reduce(float(hooks.stop_vote), "max"))  # which one; Ctrl-C wins
             progress.message(f"{_stop_reason(stop)}: stopping at step {state.step} with a checkpoint")
             if checkpoint != step_dir(s.checkpointer.run_dir, state.step):
-                checkpoint = s.save(runtime)
+                checkpoint = save()
             break
 
+    report(window.flush())  # the last window: its final step's loss, which no further step carries
     progress.close()
     preempted = state.step < tcfg.max_steps
     sample = ""
     if not preempted:
         val_loss = evaluate()
         if ckpt.final and state.step > s.start_step:  # the same decision on every rank
-            checkpoint = s.save(runtime)
+            checkpoint = save()
         hooks.progress(state.step)  # the final evaluation and save were progress too
         # The raw module shares the trained parameters and sits outside any DDP wrapper. Every rank runs
         # it (a sharded model's forward is collective); rank 0's result is the one reported.
@@ -185,15 +196,17 @@ def train_step(
     hooks: RunHooks,
     profiler: StepProfiler,
     tcfg: TrainConfig,
+    carry: torch.Tensor,
 ) -> StepResult:
-    """Optimizer step `step` (counted from 1): steps 1-4 of the module docstring."""
+    """Optimizer step `step` (counted from 1): steps 1-4 of the module docstring. `carry`: this rank's loss of
+    earlier steps, for the metrics window, reduced in the step's all-reduce."""
     with profiler.phase("data"):
         hooks.before_data(step)
         micro_batches = [next(batches) for _ in range(plan.accum_steps)]
     # Counted on the CPU, once per model replica (pipeline and tensor-parallel peers read the same batch).
     local_targets = sum(recipe.count_targets(mb) for mb in micro_batches) if runtime.owns_loss else 0
-    # In flight during the first forward: the batch's target count, and how many ranks saw SIGTERM.
-    reduced = runtime.all_reduce_async([local_targets, float(hooks.stop_requested)], "sum")
+    # In flight during the first forward: the batch's target count, how many ranks saw SIGTERM, the earlier loss.
+    reduced = runtime.all_reduce_async([local_targets, float(hooks.stop_requested)], "sum", carry)
     objective = replace(s.objective, loss=hooks.loss(s.objective.loss, step))
 
     def scale() -> float:  # the first call waits for the count
@@ -214,7 +227,7 @@ def train_step(
             stepped = _nonfinite(step, step_loss, tcfg, runtime)  # abort raises; skip returns False
         s.optimizer.zero_grad(set_to_none=True)
     global_targets, stop_votes = reduced.result()
-    return StepResult(step_loss, global_targets, grad_norm, stepped, stop_votes)
+    return StepResult(step_loss, global_targets, grad_norm, stepped, stop_votes, reduced)
 
 
 def _stop_reason(stop: int) -> str:

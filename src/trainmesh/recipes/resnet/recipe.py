@@ -58,6 +58,8 @@ class ResNetRecipe(Recipe):
     def prepare(self, config: Config, runtime: Runtime) -> Datasets:
         model = config.model
         assert isinstance(model, ResNetConfig)
+        if not (model.num_classes and model.in_channels) or model.hflip is None:
+            raise ValueError("model.num_classes, in_channels or hflip unset: complete the config first (load_config)")
         augment = Augment(model.crop_padding, bool(model.hflip))
         data = load_image_data(
             config.data.source, model.image_size, model.in_channels, config.data.val_fraction, augment, config.run.seed

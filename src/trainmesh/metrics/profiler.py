@@ -2,7 +2,8 @@
 written when a rank runs out of memory. All of it is off by default ([profile] in the config).
 
 The training loop marks each step's phases (data, forward_backward, optimizer, log) with `phase(name)`;
-the marks cost nothing unless a trace is being recorded or NVTX is on.
+the marks cost nothing unless a trace is being recorded or NVTX is on. The step-time breakdown, which is
+always on, is the profiler's `clock` (metrics/breakdown.py), marked with `mark(name)`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 from trainmesh.config.schema import ProfileConfig, profiled_ranks
 from trainmesh.core.files import make_dirs
 from trainmesh.core.logging import get_logger
+from trainmesh.metrics.breakdown import StepClock
 
 log = get_logger(__name__)
 
@@ -52,6 +54,8 @@ class StepProfiler:
         self.nvtx = cfg.nvtx and device.type == "cuda"
         self.oom_snapshot = cfg.oom_snapshot and device.type == "cuda"
         self.cuda = device.type == "cuda"
+        self.clock = StepClock(device)
+        """The per-phase step times of the metrics (metrics/breakdown.py)."""
         self._profiler: profile | None = None
         if self.recording:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -89,6 +93,10 @@ class StepProfiler:
     def step(self) -> None:
         if self._profiler is not None:
             self._profiler.step()
+
+    def mark(self, phase: str) -> None:
+        """The breakdown's `phase` (metrics/breakdown.py) begins now."""
+        self.clock.mark(phase)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Mark a phase of the step: nothing at all (one shared no-op) unless recording or NVTX is on, since

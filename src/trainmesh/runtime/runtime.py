@@ -54,7 +54,7 @@ _OPS = {
 
 class PendingReduce:
     """An all-reduce in flight; `result()` waits once and returns the reduced numbers, `carried()` the reduced
-    value of the tensor that rode along (see `Runtime.all_reduce_async`)."""
+    values of the tensor that rode along (see `Runtime.all_reduce_async`)."""
 
     def __init__(
         self, tensor: torch.Tensor, work: Any, divisor: int, count: int, carry: torch.Tensor | None = None
@@ -66,11 +66,10 @@ class PendingReduce:
     def result(self) -> list[float]:
         return self._reduced()[: self._count]
 
-    def carried(self) -> float:
+    def carried(self) -> list[float]:
         if self._carry is not None:
-            return float(self._carry) / self._divisor
-        reduced = self._reduced()
-        return reduced[self._count] if len(reduced) > self._count else 0.0
+            return [v / self._divisor for v in self._carry.reshape(-1).tolist()]
+        return self._reduced()[self._count :]
 
     def _reduced(self) -> list[float]:
         if self._values is None:
@@ -305,9 +304,16 @@ class Runtime:
         self.precision.backward(loss)
 
     def forward_backward(
-        self, model: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float]
+        self,
+        model: nn.Module,
+        batch: Any,
+        objective: Objective,
+        scale: Callable[[], float],
+        mark: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
-        return self.strategy.forward_backward(model, batch, objective, scale, self.precision)
+        """Forward and backward of one micro-batch (see Strategy.forward_backward); `mark("backward")` is called
+        where backward begins (the step-time breakdown)."""
+        return self.strategy.forward_backward(model, batch, objective, scale, self.precision, mark)
 
     def evaluate(self, model: nn.Module, batch: Any, objective: Objective) -> dict[str, torch.Tensor] | None:
         """Validation sums of one batch on the rank that owns the loss, None elsewhere (collective)."""
@@ -337,15 +343,15 @@ class Runtime:
         self, values: list[float], op: ReduceOp = "sum", carry: torch.Tensor | None = None
     ) -> PendingReduce:
         """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute). `carry`:
-        a one-number tensor (on this rank's device) reduced in the same collective, read by `.carried()`: a value
-        that would otherwise need a collective of its own (the loop's logged loss)."""
+        a tensor of numbers (on this rank's device) reduced in the same collective, read by `.carried()`: values
+        that would otherwise need a collective of their own (the loop's logged loss and step times)."""
         tensor = torch.tensor(values, dtype=torch.float64)
         if not (self._has_group and self.world_size > 1):  # nothing to reduce: no trip through the device,
             return PendingReduce(tensor, None, 1, len(values), carry)  # whose read-back would wait for the GPU
         dtype = torch.float64 if self.device.type == "cpu" else torch.float32
         tensor = tensor.to(self.device, dtype)
         if carry is not None:
-            tensor = torch.cat([tensor, carry.detach().reshape(1).to(dtype)])
+            tensor = torch.cat([tensor, carry.detach().reshape(-1).to(dtype)])
         work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
         return PendingReduce(tensor, work, self.world_size if op == "mean" else 1, len(values))
 

@@ -187,7 +187,13 @@ class Strategy(ABC):
         yield
 
     def forward_backward(
-        self, module: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float], precision: Precision
+        self,
+        module: nn.Module,
+        batch: Any,
+        objective: Objective,
+        scale: Callable[[], float],
+        precision: Precision,
+        mark: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
         """Run forward and backward on one micro-batch; returns this rank's share of the reported loss
         (the summed loss, detached; zero where another rank reports it, see `owns_loss`).
@@ -199,7 +205,10 @@ class Strategy(ABC):
         inputs, targets = objective.split(batch)
         with precision.autocast():
             loss = objective.loss(module(inputs), targets)
-        precision.backward(loss * scale())
+        scaled = loss * scale()
+        if mark is not None:
+            mark("backward")
+        precision.backward(scaled)
         return loss.detach() if self.owns_loss else torch.zeros_like(loss.detach())
 
     @torch.no_grad()

@@ -235,11 +235,18 @@ class PipelineStrategy(Strategy):
 
     # -- one step -----------------------------------------------------------------------------------
     def forward_backward(
-        self, module: nn.Module, batch: Any, objective: Objective, scale: Callable[[], float], precision: Precision
+        self,
+        module: nn.Module,
+        batch: Any,
+        objective: Objective,
+        scale: Callable[[], float],
+        precision: Precision,
+        mark: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
         """One pass of the schedule over the micro-batch (cut into `microbatches` pieces); returns the
-        summed loss on the rank that owns it, zero elsewhere."""
-        del module
+        summed loss on the rank that owns it, zero elsewhere. The schedule interleaves forward and backward
+        passes, so the step-time breakdown counts all of it as forward (`mark` is not called)."""
+        del module, mark
         inputs, targets = objective.split(batch)
         losses: list[torch.Tensor] = []
 

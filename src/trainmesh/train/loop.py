@@ -35,6 +35,7 @@ from trainmesh.config.schema import Config, TrainConfig
 from trainmesh.core.batch import BatchPlan, loss_scale
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
+from trainmesh.metrics.breakdown import describe
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.recipes.base import Recipe
@@ -111,7 +112,7 @@ def _run(
         log.info("step 0: val loss %.4f", initial_val_loss)
     progress = ProgressBar(tcfg.max_steps, state.step, enabled=runtime.is_main_process and config.run.progress)
     batches = iter(s.loader)
-    window = MetricsWindow(plan, runtime, s.flops_per_token, s.peak)
+    window = MetricsWindow(plan, runtime, s.flops_per_token, s.peak, profiler.clock)
     train_loss, skipped_in_a_row = math.nan, 0
     checkpoint: Path | None = None
     stop = 0  # the stop signal the ranks agreed on (PreemptionWatch.vote)
@@ -126,7 +127,10 @@ def _run(
 
     def save() -> Path:
         report(window.flush())  # the records up to a checkpoint are written before it: a resume continues after
-        return s.save(runtime)
+        profiler.mark("checkpoint")
+        path = s.save(runtime)
+        profiler.mark("other")
+        return path
 
     for step in range(state.step, tcfg.max_steps):
         lr = lr_at(step, config.optim, tcfg.max_steps)
@@ -148,7 +152,9 @@ def _run(
 
         pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
         if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
+            profiler.mark("eval")
             val_loss = evaluate()
+            profiler.mark("other")
             progress.message(f"step {state.step}: val loss {val_loss:.4f}")
         if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
             checkpoint = save()
@@ -163,6 +169,8 @@ def _run(
 
     report(window.flush())  # the last window: its final step's loss, which no further step carries
     progress.close()
+    if runtime.is_main_process:
+        log.info("where the steps' time went on rank 0: %s", describe(window.run_totals_s))
     preempted = state.step < tcfg.max_steps
     sample = ""
     if not preempted:
@@ -200,6 +208,7 @@ def train_step(
 ) -> StepResult:
     """Optimizer step `step` (counted from 1): steps 1-4 of the module docstring. `carry`: this rank's loss of
     earlier steps, for the metrics window, reduced in the step's all-reduce."""
+    profiler.mark("data")
     with profiler.phase("data"):
         hooks.before_data(step)
         micro_batches = [next(batches) for _ in range(plan.accum_steps)]
@@ -209,15 +218,22 @@ def train_step(
     reduced = runtime.all_reduce_async([local_targets, float(hooks.stop_requested)], "sum", carry)
     objective = replace(s.objective, loss=hooks.loss(s.objective.loss, step))
 
-    def scale() -> float:  # the first call waits for the count
-        return loss_scale(reduced.result()[0], runtime.dp_size)
+    def scale() -> float:  # the first call waits for the count: for the slowest peer's data, say
+        profiler.mark("sync")
+        count = reduced.result()[0]
+        profiler.mark("forward")
+        return loss_scale(count, runtime.dp_size)
 
     step_loss = torch.zeros((), dtype=torch.float64, device=runtime.device)  # this rank's summed loss
     with profiler.phase("forward_backward"):
         for i, batch in enumerate(micro_batches):
+            profiler.mark("forward")  # and "backward", marked by the strategy between the two
             with runtime.no_sync(s.model, enabled=i < plan.accum_steps - 1):
-                step_loss += runtime.forward_backward(s.model, runtime.to_device(batch), objective, scale)
+                step_loss += runtime.forward_backward(
+                    s.model, runtime.to_device(batch), objective, scale, profiler.mark
+                )
 
+    profiler.mark("optimizer")
     with profiler.phase("optimizer"):
         grad_norm = runtime.clip_grad_norm(s.model, s.optimizer, tcfg.grad_clip)
         # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
@@ -226,6 +242,7 @@ def train_step(
         else:
             stepped = _nonfinite(step, step_loss, tcfg, runtime)  # abort raises; skip returns False
         s.optimizer.zero_grad(set_to_none=True)
+    profiler.mark("other")
     global_targets, stop_votes = reduced.result()
     return StepResult(step_loss, global_targets, grad_norm, stepped, stop_votes, reduced)
 

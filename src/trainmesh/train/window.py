@@ -1,24 +1,37 @@
-"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory).
+"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, and where
+the steps' time went on every rank: metrics/breakdown.py).
 
 Logging costs no collective of its own. The loss stays on the device, and each step's loss rides on the
 next step's all-reduce, the one that counts that step's targets anyway (`Runtime.all_reduce_async`'s
-`carry`). So a window that closes at step k is complete one step later, when step k+1's all-reduce has
-brought in step k's loss: its record is written then (at the end of training and before a checkpoint, an
-all-reduce of its own brings the last loss in). Time spent evaluating or checkpointing is left out of the
-window's throughput.
+`carry`); so do each rank's phase times, in the rank's own slot of the carried vector. A window that closes
+at step k is therefore complete one step later, when step k+1's all-reduce has brought in step k's loss:
+its record is written then (at the end of training and before a checkpoint, an all-reduce of its own
+brings the last loss in). Time spent evaluating or checkpointing is left out of the window's throughput.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from trainmesh.core.batch import BatchPlan
+from trainmesh.core.logging import get_logger
+from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
 from trainmesh.runtime.runtime import PendingReduce, Runtime
+
+log = get_logger(__name__)
+
+STRAGGLER_RATIO = 1.2
+"""A rank whose compute time per step is this many times the median's ..."""
+STRAGGLER_WINDOWS = 3
+"""... in this many windows in a row is reported as a straggler ..."""
+STRAGGLER_MIN_MS = 1.0
+"""... when it is also this much slower (millisecond steps jitter by more than 20%)."""
 
 
 @dataclass
@@ -29,18 +42,36 @@ class Record:
     metrics: dict[str, float]
     targets: float
     reduces: list[PendingReduce] = field(default_factory=list)
+    rank_times: list[list[float]] = field(default_factory=list)
+    """Per rank: its mean ms per step in each of PHASES (filled in by `complete`)."""
 
-    def complete(self, last_loss: float = 0.0) -> Record:
-        """Fill in the loss: summed over ranks and steps / targets over ranks and steps (`last_loss`: the
-        final step's loss when no further step carried it)."""
-        summed = sum(r.carried() for r in self.reduces) + last_loss
+    def complete(self, last: list[float] | None = None) -> Record:
+        """Fill in the loss, summed over ranks and steps / targets over ranks and steps, and every rank's phase
+        times (`last`: the carried values of the final step, when no further step carried them)."""
+        carried = [r.carried() for r in self.reduces] + ([last] if last is not None else [])
+        summed = sum(values[0] for values in carried)
         self.metrics["loss"] = summed / self.targets if self.targets else math.nan
+        slots = carried[-1][1:]  # the completing all-reduce carried the ranks' times
+        self.rank_times = [slots[i : i + len(PHASES)] for i in range(0, len(slots), len(PHASES))]
+        compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in self.rank_times]
+        if compute:
+            slowest = max(range(len(compute)), key=compute.__getitem__)
+            median = statistics.median(compute)
+            self.metrics |= {
+                "slowest_rank": slowest,
+                "slowest_compute_ms": compute[slowest],
+                "median_compute_ms": median,
+                "compute_spread": (compute[slowest] - min(compute)) / median if median > 0 else 0.0,
+            }
         return self
 
 
 class MetricsWindow:
-    def __init__(self, plan: BatchPlan, runtime: Runtime, flops_per_token: float, peak: Peak | None) -> None:
+    def __init__(
+        self, plan: BatchPlan, runtime: Runtime, flops_per_token: float, peak: Peak | None, clock: StepClock
+    ) -> None:
         self.plan, self.runtime, self.flops_per_token, self.peak = plan, runtime, flops_per_token, peak
+        self.clock = clock
         self.unsent = torch.zeros((), dtype=torch.float64, device=runtime.device)  # loss no reduce carried yet
         self.reduces: list[PendingReduce] = []  # this window's, each carrying its previous step's loss
         self.targets = 0.0  # over all ranks
@@ -48,11 +79,19 @@ class MetricsWindow:
         self.skipped = 0  # steps skipped (non-finite gradients, fp16 overflow) in the whole run
         self.start = time.perf_counter()
         self.closed: Record | None = None  # closed at the previous step; its last step's loss still to come
+        self.own_times: list[float] = []  # this rank's ms per step in each phase, for the closed record
+        self.run_totals_s = dict.fromkeys((*PHASES, *PAUSES), 0.0)  # this rank's, over the whole run
+        self._slow_windows = [0] * runtime.world_size
 
     def carry(self) -> torch.Tensor:
-        """This rank's loss that no all-reduce has carried yet, for the next step's (the sum starts over)."""
-        out, self.unsent = self.unsent, torch.zeros_like(self.unsent)
-        return out
+        """What the next step's all-reduce carries: this rank's loss that no all-reduce has carried yet (the sum
+        starts over), and once a window has closed, this rank's phase times in its slot."""
+        loss, self.unsent = self.unsent, torch.zeros_like(self.unsent)
+        if self.closed is None:
+            return loss
+        slots = torch.zeros(self.runtime.world_size * len(PHASES), dtype=torch.float64)
+        slots[self.runtime.rank * len(PHASES) : (self.runtime.rank + 1) * len(PHASES)] = torch.tensor(self.own_times)
+        return torch.cat([loss.reshape(1), slots.to(loss.device)])
 
     def add(
         self, reduce: PendingReduce, step_loss: torch.Tensor, global_targets: float, stepped: bool
@@ -70,7 +109,7 @@ class MetricsWindow:
         else:
             self.skipped += 1
         self.steps += 1
-        return done.complete() if done is not None else None
+        return self._checked(done.complete()) if done is not None else None
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (an evaluation, a checkpoint) out of the window's time."""
@@ -80,6 +119,10 @@ class MetricsWindow:
         """End the window at `step` (its record completes with the next step, or `flush`); start the next."""
         now = time.perf_counter()
         elapsed = now - self.start
+        times_s = self.clock.take()
+        for phase, seconds in times_s.items():
+            self.run_totals_s[phase] += seconds
+        self.own_times = [1000 * times_s[p] / self.steps for p in PHASES]
         metrics = {
             "lr": lr,
             "grad_norm": float(grad_norm),
@@ -87,6 +130,8 @@ class MetricsWindow:
             "samples_per_s": self.plan.global_batch * self.steps / elapsed,
             "skipped_steps": self.skipped,
         }
+        metrics |= {f"time_{p}_ms": ms for p, ms in zip(PHASES, self.own_times, strict=True)}
+        metrics |= {f"time_{p}_ms": 1000 * times_s[p] for p in PAUSES if times_s[p] > 0}  # totals, not per step
         if self.plan.tokens_per_sample:
             tokens_per_s = self.plan.tokens_per_step * self.steps / elapsed
             metrics["tokens_per_s"] = tokens_per_s
@@ -99,9 +144,32 @@ class MetricsWindow:
         self.reduces, self.targets, self.steps, self.start = [], 0.0, 0, now
 
     def flush(self) -> Record | None:
-        """Collective: the window closed at the last step, completed now by an all-reduce of the loss no step
-        has carried yet (at the end, and before a checkpoint, so that a resume finds every record before it)."""
-        done, self.closed = self.closed, None
-        if done is None:
+        """Collective: the window closed at the last step, completed now by an all-reduce of what no step has
+        carried yet (at the end, and before a checkpoint, so that a resume finds every record before it)."""
+        if self.closed is None:
             return None
-        return done.complete(float(self.runtime.all_reduce(self.carry(), "sum")))
+        last = self.runtime.all_reduce(self.carry(), "sum").reshape(-1).tolist()
+        done, self.closed = self.closed, None
+        return self._checked(done.complete(last))
+
+    def _checked(self, record: Record) -> Record:
+        """Warn (rank 0) of a rank whose compute time stays STRAGGLER_RATIO × the median's or more."""
+        compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in record.rank_times]
+        if not compute:
+            return record
+        median = statistics.median(compute)
+        for rank, ms in enumerate(compute):
+            slow = ms >= STRAGGLER_RATIO * median and ms - median >= STRAGGLER_MIN_MS
+            self._slow_windows[rank] = self._slow_windows[rank] + 1 if slow else 0
+            if self._slow_windows[rank] == STRAGGLER_WINDOWS and self.runtime.is_main_process:
+                log.warning(
+                    "rank %d is a straggler: %.1f ms of compute per step against the median rank's %.1f ms, in %d "
+                    "logging windows in a row up to step %d (data, forward, optimizer and loop time; the other ranks "
+                    "wait for it in every collective). Check that rank's host and its data loading.",
+                    rank,
+                    ms,
+                    median,
+                    STRAGGLER_WINDOWS,
+                    record.step,
+                )
+        return record

@@ -1,0 +1,90 @@
+"""The step-time breakdown: every record says where its steps' time went on every rank, names the slowest
+rank, and a rank that stays slow is reported as a straggler."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from support import nano_config
+from trainmesh.config import Config
+from trainmesh.metrics.breakdown import PHASES, StepClock, describe
+from trainmesh.recipes.base import Datasets
+from trainmesh.recipes.gpt import GPTRecipe
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
+from trainmesh.worker import run_worker
+
+pytestmark = pytest.mark.slow
+DELAY_S = 0.02
+
+
+class SlowItems(Dataset[Any]):
+    """Rank 1's data loads DELAY_S slower per sample: a straggler."""
+
+    def __init__(self, inner: Dataset[Any]) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(DELAY_S)
+        return self.inner[index]
+
+
+class StragglingRecipe(GPTRecipe):
+    def prepare(self, config: Config, runtime: Runtime) -> Datasets:
+        train, val = super().prepare(config, runtime)
+        return Datasets(SlowItems(train) if runtime.rank == 1 else train, val)
+
+
+def straggler_rank(rank: int, root: str) -> list[dict[str, Any]]:
+    overrides = ["--train.max_steps=8", "--run.log_every=2", "--train.micro_batch=2", "--run.id=s"]
+    run_worker(nano_config(Path(root), *overrides), Path(root) / "runs" / "s", recipe=StragglingRecipe())
+    lines = (Path(root) / "runs" / "s" / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_every_record_has_the_breakdown_and_a_straggler_is_named(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    records, _ = run_distributed(straggler_rank, 2, args=(str(tmp_path),), timeout_s=120)
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    for r in records:
+        phases = sum(r[f"time_{p}_ms"] for p in PHASES)
+        assert phases == pytest.approx(r["step_time_ms"], rel=0.25), r  # the phases account for the step
+        assert r["slowest_rank"] == 1, r  # 2 samples × 20 ms of data per step on rank 1
+        assert r["slowest_compute_ms"] - r["median_compute_ms"] > 0.5 * 1000 * DELAY_S, r
+        assert r["compute_spread"] > 0.5, r
+    out = capfd.readouterr()
+    assert "rank 1 is a straggler" in out.out + out.err
+    assert "where the steps' time went on rank 0: data" in out.out + out.err
+
+
+def test_the_clock_counts_each_phase_until_the_next_mark() -> None:
+    clock = StepClock(torch.device("cpu"))
+    clock.mark("data")
+    time.sleep(0.02)
+    clock.mark("forward")
+    time.sleep(0.04)
+    clock.mark("eval")
+    time.sleep(0.01)
+    clock.mark("other")
+    taken = clock.take()
+    assert taken["data"] == pytest.approx(0.02, abs=0.015)
+    assert taken["forward"] == pytest.approx(0.04, abs=0.015)
+    assert taken["eval"] == pytest.approx(0.01, abs=0.015)
+    assert clock.take()["forward"] == 0  # reset; "other" goes on counting
+    assert re.fullmatch(
+        r"data 3\d% \| forward 6\d% \| sync 0% \| backward 0% \| optimizer 0% \| other 0% of 0\.1 s of steps; "
+        r"besides: eval 0\.0 s",
+        describe(taken),
+    ), describe(taken)

@@ -23,7 +23,7 @@ from trainmesh.testing import run_distributed
 from trainmesh.worker import run_worker
 
 pytestmark = pytest.mark.slow
-DELAY_S = 0.02
+DELAY_S = 0.05
 
 
 class SlowItems(Dataset[Any]):
@@ -61,9 +61,11 @@ def test_every_record_has_the_breakdown_and_a_straggler_is_named(
     for r in records:
         phases = sum(r[f"time_{p}_ms"] for p in PHASES)
         assert phases == pytest.approx(r["step_time_ms"], rel=0.25), r  # the phases account for the step
-        assert r["slowest_rank"] == 1, r  # 2 samples × 20 ms of data per step on rank 1
-        assert r["slowest_compute_ms"] - r["median_compute_ms"] > 0.5 * 1000 * DELAY_S, r
-        assert r["compute_spread"] > 0.5, r
+        assert r["slowest_rank"] == 1, r  # 2 samples × 50 ms of data per step on rank 1
+        # Rank 1 is 100 ms slower per step; a loaded test machine slows rank 0 too, so only a part is asserted.
+        assert r["slowest_compute_ms"] - r["median_compute_ms"] > 0.2 * 1000 * DELAY_S, r
+        assert r["compute_spread"] > 0.2, r
+        assert r["host_rss_gb"] > 0.1 and r["host_cpu_percent"] >= 0, r  # rank 0's host, sampled alongside
     out = capfd.readouterr()
     assert "rank 1 is a straggler" in out.out + out.err
     assert "where the steps' time went on rank 0: data" in out.out + out.err

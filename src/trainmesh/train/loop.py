@@ -36,6 +36,7 @@ from trainmesh.core.batch import BatchPlan, loss_scale
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import describe
+from trainmesh.metrics.monitor import Monitor
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.recipes.base import Recipe
@@ -87,7 +88,9 @@ def train(
     hooks = hooks or RunHooks()
     with StepProfiler(config.profile, run_dir, runtime.rank, runtime.device) as profiler:
         session = set_up(config, plan, recipe, runtime, run_dir, hooks.faults)
-        return _run(config, plan, recipe, runtime, session, hooks, profiler)
+        with Monitor(runtime.device) as monitor:  # host and device figures for the metrics, off this thread
+            window = MetricsWindow(plan, runtime, session.flops_per_token, session.peak, profiler.clock, monitor)
+            return _run(config, plan, recipe, runtime, session, hooks, profiler, window)
 
 
 def _run(
@@ -98,6 +101,7 @@ def _run(
     s: Session,
     hooks: RunHooks,
     profiler: StepProfiler,
+    window: MetricsWindow,
 ) -> TrainResult:
     tcfg, ckpt, state = config.train, config.checkpoint, s.state
 
@@ -112,7 +116,6 @@ def _run(
         log.info("step 0: val loss %.4f", initial_val_loss)
     progress = ProgressBar(tcfg.max_steps, state.step, enabled=runtime.is_main_process and config.run.progress)
     batches = iter(s.loader)
-    window = MetricsWindow(plan, runtime, s.flops_per_token, s.peak, profiler.clock)
     train_loss, skipped_in_a_row = math.nan, 0
     checkpoint: Path | None = None
     stop = 0  # the stop signal the ranks agreed on (PreemptionWatch.vote)

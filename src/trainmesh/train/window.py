@@ -1,5 +1,5 @@
-"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, and where
-the steps' time went on every rank: metrics/breakdown.py).
+"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, where the
+steps' time went on every rank: metrics/breakdown.py, and rank 0's host and device figures: metrics/monitor.py).
 
 Logging costs no collective of its own. The loss stays on the device, and each step's loss rides on the
 next step's all-reduce, the one that counts that step's targets anyway (`Runtime.all_reduce_async`'s
@@ -22,6 +22,7 @@ from trainmesh.core.batch import BatchPlan
 from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
+from trainmesh.metrics.monitor import Monitor
 from trainmesh.runtime.runtime import PendingReduce, Runtime
 
 log = get_logger(__name__)
@@ -68,10 +69,16 @@ class Record:
 
 class MetricsWindow:
     def __init__(
-        self, plan: BatchPlan, runtime: Runtime, flops_per_token: float, peak: Peak | None, clock: StepClock
+        self,
+        plan: BatchPlan,
+        runtime: Runtime,
+        flops_per_token: float,
+        peak: Peak | None,
+        clock: StepClock,
+        monitor: Monitor | None = None,
     ) -> None:
         self.plan, self.runtime, self.flops_per_token, self.peak = plan, runtime, flops_per_token, peak
-        self.clock = clock
+        self.clock, self.monitor = clock, monitor
         self.unsent = torch.zeros((), dtype=torch.float64, device=runtime.device)  # loss no reduce carried yet
         self.reduces: list[PendingReduce] = []  # this window's, each carrying its previous step's loss
         self.targets = 0.0  # over all ranks
@@ -140,6 +147,8 @@ class MetricsWindow:
                 metrics["mfu"] = value
         if self.runtime.device.type == "cuda":
             metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
+        if self.monitor is not None:
+            metrics |= self.monitor.take()
         self.closed = Record(step, metrics, self.targets, self.reduces)
         self.reduces, self.targets, self.steps, self.start = [], 0.0, 0, now
 

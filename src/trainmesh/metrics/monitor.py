@@ -36,19 +36,19 @@ class Monitor:
         self._lock = threading.Lock()
         self._latest: dict[str, float] = {}
         self._peak_rss_gb = 0.0
+        self._cpu_started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainmesh-monitor", daemon=True)
         self._gpu_readers = self._nvml_readers() if device.type == "cuda" else {}
 
     def __enter__(self) -> Monitor:
-        self._process.cpu_percent()  # starts its interval: the first real sample measures from here
-        self._sample()
+        self._sample()  # its CPU figure only starts the interval the thread's first sample measures
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=10 * self.interval_s)  # a daemon: a hung NVML call cannot hold the exit
 
     def take(self) -> dict[str, float]:
         """The latest sample, with this window's peak resident memory (the next window's starts over)."""
@@ -68,11 +68,11 @@ class Monitor:
     def _sample(self) -> None:
         try:
             rss_gb = self._process.memory_info().rss / 2**30
-            sample = {
-                "host_rss_gb": rss_gb,
-                "host_cpu_percent": self._process.cpu_percent(),
-                "host_mem_percent": psutil.virtual_memory().percent,
-            }
+            cpu = self._process.cpu_percent()  # since the previous call: the first call has no interval yet
+            sample = {"host_rss_gb": rss_gb, "host_mem_percent": psutil.virtual_memory().percent}
+            if self._cpu_started:
+                sample["host_cpu_percent"] = cpu
+            self._cpu_started = True
             sample |= {name: float(read(self.device)) for name, read in self._gpu_readers.items()}
         except Exception as e:  # a monitor must never stop training; say so, and stop sampling
             log.warning("device and host monitoring stopped: %s", e)

@@ -135,6 +135,7 @@ def _run(
         profiler.mark("other")
         return path
 
+    window.start = time.perf_counter()  # the initial evaluation and the loader's start are no step's time
     for step in range(state.step, tcfg.max_steps):
         lr = lr_at(step, config.optim, tcfg.max_steps)
         set_lr(s.optimizer, lr)

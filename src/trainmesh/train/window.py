@@ -97,7 +97,9 @@ class MetricsWindow:
         if self.closed is None:
             return loss
         slots = torch.zeros(self.runtime.world_size * len(PHASES), dtype=torch.float64)
-        slots[self.runtime.rank * len(PHASES) : (self.runtime.rank + 1) * len(PHASES)] = torch.tensor(self.own_times)
+        slots[self.runtime.rank * len(PHASES) : (self.runtime.rank + 1) * len(PHASES)] = torch.tensor(
+            self.own_times, dtype=torch.float64
+        )
         return torch.cat([loss.reshape(1), slots.to(loss.device)])
 
     def add(

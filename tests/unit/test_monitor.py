@@ -32,5 +32,6 @@ def test_a_failing_sampler_stops_with_a_warning_and_never_stops_training(
     with Monitor(torch.device("cpu"), interval_s=0.02) as monitor:
         monkeypatch.setattr(psutil, "virtual_memory", lambda: 1 / 0)
         time.sleep(0.1)
-        assert "host_rss_gb" in monitor.take()  # the last good sample
+        assert monitor._stop.is_set()  # the sampler gave up ...
+        assert "host_rss_gb" in monitor.take()  # ... and the last good sample stays
     assert "monitoring stopped: division by zero" in caplog.text

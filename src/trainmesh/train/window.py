@@ -45,6 +45,8 @@ class Record:
     reduces: list[PendingReduce] = field(default_factory=list)
     rank_times: list[list[float]] = field(default_factory=list)
     """Per rank: its mean ms per step in each of PHASES (filled in by `complete`)."""
+    compute_ms: list[float] = field(default_factory=list)
+    """Per rank: its mean ms per step in the COMPUTE phases (filled in by `complete`)."""
 
     def complete(self, last: list[float] | None = None) -> Record:
         """Fill in the loss, summed over ranks and steps / targets over ranks and steps, and every rank's phase
@@ -54,7 +56,7 @@ class Record:
         self.metrics["loss"] = summed / self.targets if self.targets else math.nan
         slots = carried[-1][1:]  # the completing all-reduce carried the ranks' times
         self.rank_times = [slots[i : i + len(PHASES)] for i in range(0, len(slots), len(PHASES))]
-        compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in self.rank_times]
+        self.compute_ms = compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in self.rank_times]
         if compute:
             slowest = max(range(len(compute)), key=compute.__getitem__)
             median = statistics.median(compute)
@@ -165,7 +167,7 @@ class MetricsWindow:
 
     def _checked(self, record: Record) -> Record:
         """Warn (rank 0) of a rank whose compute time stays STRAGGLER_RATIO × the median's or more."""
-        compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in record.rank_times]
+        compute = record.compute_ms
         if not compute:
             return record
         median = statistics.median(compute)

@@ -86,15 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_flags(check)
     check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
-    ckpt = sub.add_parser("ckpt", help="verify, describe or export checkpoints (offline, one process)")
+    ckpt = sub.add_parser("ckpt", help="verify, describe, export or upgrade checkpoints (offline, one process)")
     ckpt.add_argument(
         "action",
-        choices=["verify", "inspect", "export"],
-        help="verify: check against the manifests; export: model weights to one safetensors file",
+        choices=["verify", "inspect", "export", "upgrade"],
+        help="verify: check against the manifests; export: model weights to one safetensors file; upgrade: "
+        "rewrite checkpoints saved by an older trainmesh in the current model layout (the originals are kept)",
     )
     ckpt.add_argument(
         "path",
-        help="a checkpoint directory, or a run directory (verify, inspect: all its checkpoints; "
+        help="a checkpoint directory, or a run directory (verify, inspect, upgrade: all its checkpoints; "
         "export: its newest one that verifies)",
     )
     ckpt.add_argument(

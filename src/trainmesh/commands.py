@@ -4,12 +4,14 @@ the command line has been parsed)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
-from trainmesh.checkpoint.catalog import list_checkpoints
+from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, list_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
@@ -145,6 +147,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             print(f"exported step {done.step} of {done.checkpoint}")
             print(f"  -> {done.path}: {done.tensors} tensors, {done.bytes:,} bytes")
             return 0
+        if args.action == "upgrade":
+            return _upgrade(checkpoints_at(Path(args.path)))
         verdicts = verify_all(Path(args.path))
     except (FileNotFoundError, ValueError) as e:
         log.error("%s", e)
@@ -154,3 +158,23 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         for problem in verdict.problems:
             print(f"        {problem}")
     return 0 if all(v.ok for v in verdicts) else 1
+
+
+def _upgrade(checkpoints: list[Path]) -> int:
+    """Upgrade each checkpoint with the recipe that saved it, under the run folder's lock (not while it trains)."""
+    from trainmesh.checkpoint.state import TrainerState
+    from trainmesh.checkpoint.upgrade import upgrade_checkpoint
+
+    def convert(state: dict[str, Any], saved: TrainerState) -> list[str]:
+        recipe = get_recipe(str(saved.config.get("run", {}).get("recipe", "gpt")))
+        return recipe.upgrade_checkpoint(state, saved.config.get("model", {}))
+
+    folder = checkpoints[0].parent
+    in_run = folder.name == CHECKPOINT_DIR  # a checkpoint copied elsewhere has no run folder to lock
+    with RunLock(folder.parent, new_job_id()) if in_run else contextlib.nullcontext():
+        for ckpt in checkpoints:
+            changes = upgrade_checkpoint(ckpt, convert)
+            print(f"upgraded {ckpt}:" if changes else f"current  {ckpt} (nothing to convert)")
+            for change in changes:
+                print(f"        {change}")
+    return 0

@@ -71,7 +71,7 @@ def test_fsdp_equals_one_process(name: str, references: dict[str, dict[str, Any]
     reference = references[kind]
     for result in results:  # every rank gathers the same full parameters
         _assert_close(result["params"], reference["params"], name)
-        assert "blocks.0.attn.q.weight" in result["sharded"] and "wte.weight" in result["sharded"]
+        assert "blocks.0.attn.qkv.weight" in result["sharded"] and "wte.weight" in result["sharded"]
     assert_same_training(results[0], reference, name)
 
 

@@ -70,7 +70,7 @@ def test_every_pipeline_schedule_and_tensor_parallel_equal_one_process(
             held = [{k for k in r["params"] if k.startswith("blocks.")} for r in ranks]
             assert held[0] and held[1] and not held[0] & held[1], name
         else:
-            assert {"blocks.0.attn.q.weight", "wte.weight"} <= set(ranks[0]["sharded"]), name
+            assert {"blocks.0.attn.qkv.weight", "wte.weight"} <= set(ranks[0]["sharded"]), name
         if name in ("pp gpipe", "pp zbv_zero_bubble"):  # the weight tied across stages stays one value
             whole = _whole(ranks)
             assert torch.equal(whole["wte.weight"], whole["lm_head.weight"]), name
@@ -144,4 +144,4 @@ def test_models_built_on_the_meta_device_train_like_whole_ones(reference: dict[s
     for i, name in enumerate(runs):
         ranks = [results[i] for results in per_rank]
         _assert_matches(ranks, reference, name)
-        assert "blocks.0.attn.q.weight" in ranks[0]["sharded"], name
+        assert "blocks.0.attn.qkv.weight" in ranks[0]["sharded"], name

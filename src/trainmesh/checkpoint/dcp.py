@@ -99,7 +99,8 @@ def _check_matches(path: Path, ours: dict[str, tuple[int, ...]]) -> None:
     raise CheckpointMismatchError(
         f"{path} holds a different model; nothing was loaded.\n  " + "\n  ".join(problems) + "\n"
         "Fix: resume with the [model] settings of the run that saved it (its config.toml; "
-        "trainmesh ckpt inspect shows them), or start a new run (--run-id) instead of --resume."
+        "trainmesh ckpt inspect shows them), or start a new run (--run-id) instead of --resume. A checkpoint "
+        f"saved by an older trainmesh may only need converting: trainmesh ckpt upgrade {path}"
     )
 
 

@@ -91,7 +91,16 @@ def write_manifest(folder: Path, runtime: Runtime, group: ProcessGroup | None = 
         raise PeerFailed("another rank could not hash its files")
     entries = {name: digest for part, _ in parts for name, digest in part.items()}
     if runtime.is_main_process:
-        write_json_durably(folder / MANIFEST, {"format": FORMAT, "files": entries})
+        _write_entries(folder, entries)
+
+
+def write_manifest_here(folder: Path) -> None:
+    """`write_manifest` in one process, without a process group (offline tools: `trainmesh ckpt upgrade`)."""
+    _write_entries(folder, {name: file_digest(folder / name, fsync=True) for name in _files(folder)})
+
+
+def _write_entries(folder: Path, entries: dict[str, Any]) -> None:
+    write_json_durably(folder / MANIFEST, {"format": FORMAT, "files": entries})
 
 
 def verify(folder: Path, runtime: Runtime | None = None) -> Verdict:

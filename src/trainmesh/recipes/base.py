@@ -128,3 +128,10 @@ class Recipe(ABC):
         sharded model's forward is collective; rank 0's result is shown. Keep it deterministic."""
         del model, config, runtime
         return ""
+
+    def upgrade_checkpoint(self, state: dict[str, Any], model_config: dict[str, Any]) -> list[str]:
+        """Convert, in place, the full state of a checkpoint saved by an older version of this recipe's model
+        ({"model": ..., "optim": ...}; `model_config`: its [model] section as saved) to the current layout,
+        for `trainmesh ckpt upgrade`. Returns one line per change; none (the default): nothing to convert."""
+        del state, model_config
+        return []

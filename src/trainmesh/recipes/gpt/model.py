@@ -72,18 +72,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        # Separate projections, so tensor parallelism can give each rank whole heads of q, k and v.
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        # One projection for q, k and v (one matmul, as nanoGPT), its outputs laid out head by head:
+        # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]. A column-parallel shard of it is then whole heads with their
+        # own q, k and v, which tensor parallelism needs (nanoGPT's q | k | v order would give a rank only q).
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual_scale = True  # type: ignore[assignment]  # GPT-2 init marker
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, H, T, Q); H is this rank's share of the heads under tensor parallelism, hence -1
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        # (B, T, H, 3, Q) -> three (B, H, T, Q); H is this rank's share of the heads under tensor parallelism
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, H, T, Q)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·Q)

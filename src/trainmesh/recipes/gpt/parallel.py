@@ -3,7 +3,8 @@ a pipeline split. The strategies apply them (strategies/plan.py); parameter name
 
 Tensor parallel (Megatron-style, on a 1-D `tp` mesh of t ranks), per block:
 
-    attn.q, attn.k, attn.v   column-parallel: each rank computes n_head / t whole heads
+    attn.qkv                 column-parallel: each rank computes n_head / t whole heads (the
+                             projection's outputs are laid out head by head, see model.py)
     attn.proj                row-parallel: partial outputs summed (one all-reduce)
     mlp.fc                   column-parallel: 4C / t hidden units per rank
     mlp.proj                 row-parallel: one all-reduce
@@ -28,9 +29,7 @@ from trainmesh.recipes.gpt.model import GPT, GPTConfig, embed_tokens
 from trainmesh.strategies.blocks import find_blocks
 
 BLOCK_PLAN = {
-    "attn.q": ColwiseParallel(),
-    "attn.k": ColwiseParallel(),
-    "attn.v": ColwiseParallel(),
+    "attn.qkv": ColwiseParallel(),
     "attn.proj": RowwiseParallel(),
     "mlp.fc": ColwiseParallel(),
     "mlp.proj": RowwiseParallel(),

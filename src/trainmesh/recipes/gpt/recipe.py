@@ -24,6 +24,7 @@ from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_weights, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import check_pipeline, check_tensor_parallel, parallelize_gpt, pipeline_stage_gpt
+from trainmesh.recipes.gpt.upgrade import fuse_qkv
 from trainmesh.strategies.mesh import ParallelDims
 from trainmesh.strategies.pipeline import SCHEDULES, shared_across_v_message
 from trainmesh.strategies.plan import ParallelPlan
@@ -102,6 +103,9 @@ class GPTRecipe(Recipe):
 
     def flops_per_token(self, model: nn.Module) -> float:
         return model.flops_per_token() if isinstance(model, GPT) else 0.0
+
+    def upgrade_checkpoint(self, state: dict[str, Any], model_config: dict[str, Any]) -> list[str]:
+        return fuse_qkv(state, model_config)
 
     def on_train_end(self, model: nn.Module, config: Config, runtime: Runtime) -> str:
         sample = config.sample

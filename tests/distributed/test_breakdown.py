@@ -53,6 +53,34 @@ def straggler_rank(rank: int, root: str) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+class SlowBackward(GPTRecipe):
+    """Rank 1 starts each backward DELAY_S late: rank 0 has all its gradients and waits for rank 1's."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        loss = super().output_loss(output, targets)
+        if self.rank == 1 and loss.requires_grad:  # training, not evaluation
+            loss.register_hook(lambda grad: time.sleep(DELAY_S) or grad)
+        return loss
+
+
+def slow_backward_rank(rank: int, root: str) -> list[dict[str, Any]]:
+    overrides = ["--train.max_steps=4", "--run.log_every=2", "--run.id=b", "--parallel.strategy=ddp"]
+    run_worker(nano_config(Path(root), *overrides), Path(root) / "runs" / "b", recipe=SlowBackward(rank))
+    lines = (Path(root) / "runs" / "b" / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_waiting_for_a_peers_gradients_is_exposed_communication(tmp_path: Path) -> None:
+    """Rank 0's backward ends with its last gradient bucket; then it waits DELAY_S for rank 1's, in comm."""
+    records, _ = run_distributed(slow_backward_rank, 2, args=(str(tmp_path),), timeout_s=120)
+    for r in records:
+        assert r["time_comm_ms"] > 0.8 * 1000 * DELAY_S, r
+        assert r["time_backward_ms"] < r["time_comm_ms"], r
+
+
 def test_every_record_has_the_breakdown_and_a_straggler_is_named(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -86,7 +114,7 @@ def test_the_clock_counts_each_phase_until_the_next_mark() -> None:
     assert taken["eval"] == pytest.approx(0.01, abs=0.015)
     assert clock.take()["forward"] == 0  # reset; "other" goes on counting
     assert re.fullmatch(
-        r"data 3\d% \| forward 6\d% \| sync 0% \| backward 0% \| optimizer 0% \| other 0% of 0\.1 s of steps; "
-        r"besides: eval 0\.0 s",
+        r"data 3\d% \| forward 6\d% \| sync 0% \| backward 0% \| comm 0% \| optimizer 0% \| other 0% "
+        r"of 0\.1 s of steps; besides: eval 0\.0 s",
         describe(taken),
     ), describe(taken)

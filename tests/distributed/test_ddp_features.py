@@ -3,6 +3,7 @@ communication still trains, the fp16 loss-scale skip is agreed by every rank, da
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from support import train_rank, train_rank_runs
 from trainmesh import DDPConfig, ParallelConfig, Runtime
+from trainmesh.strategies.ddp import HOOKS
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -64,13 +65,13 @@ def sync_count_rank(rank: int, root: str, strategy: str, micro_batch: int) -> in
         return call
 
     if strategy == "ddp":  # the hook --parallel.ddp.comm_hook=fp16 registers
-        real_hook = default_hooks.fp16_compress_hook
+        real_hook = HOOKS["fp16"]
 
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the names (and annotations)
+        def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             calls[0] += 1
             return real_hook(state, bucket)
 
-        default_hooks.fp16_compress_hook = hook
+        HOOKS["fp16"] = hook
         extra = ["--parallel.ddp.comm_hook=fp16", "--parallel.ddp.bucket_cap_mb=1000"]
     else:
         for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # what FSDP2 calls (torch 2.13: the first)
@@ -164,13 +165,23 @@ def test_bf16_compression_is_refused_without_nccl() -> None:
 
 
 def collectives_rank(rank: int, root: str, steps: int) -> int:
-    """How many all-reduces this rank's training of `steps` steps issued from Python (DDP's own gradient
-    all-reduce runs in its C++ reducer and is not counted)."""
+    """How many all-reduces this rank's training of `steps` steps issued, besides DDP's gradient all-reduces
+    (issued by its comm hook, one per bucket, as a plain DDP loop's C++ reducer issues them)."""
     calls = [0]
-    original = dist.all_reduce
+    original, real_hook = dist.all_reduce, HOOKS["none"]
+    in_hook = threading.local()
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        in_hook.active = True
+        try:
+            return real_hook(state, bucket)
+        finally:
+            in_hook.active = False
+
+    HOOKS["none"] = hook
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
+        calls[0] += not getattr(in_hook, "active", False)
         return original(*args, **kwargs)
 
     dist.all_reduce = counting  # type: ignore[assignment]

@@ -3,7 +3,8 @@
 Layout of one checkpoint, `<run>/checkpoints/step_00000300/`:
     *.distcp, .metadata     model and optimizer (DCP; reshardable to another world size/strategy)
     trainer_state.json      step, samples seen, precision (GradScaler) state, config, versions
-    rng/rank_<r>.pt         each rank's RNG states (torch, CUDA, NumPy, Python) — tensors only
+    rng/rank_<r>.pt         each rank's RNG states (torch, CUDA, NumPy, Python) and its own strategy
+                            state (PowerSGD's error feedback) — tensors and plain values only
     manifest.json           size and SHA-256 of every file above (see manifest.py)
 
 A checkpoint is written under a temporary name, hashed and fsynced, and renamed into place only then,
@@ -65,11 +66,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if state.world_size == runtime.world_size and rng_file.is_file():
         try:
             with open_file(rng_file, "rb") as f:
-                _set_rng_state(torch.load(f, weights_only=True))
+                rank_state = torch.load(f, weights_only=True)
         except pickle.UnpicklingError as e:
             raise UntrustedCheckpointError(f"{rng_file}: refused, {str(e).splitlines()[0]}") from None
+        _set_rng_state(rank_state)
+        strategy_state = rank_state.get("strategy") if isinstance(rank_state, dict) else None
+        runtime.load_rank_state(strategy_state if isinstance(strategy_state, dict) else {})
     else:
-        log.warning("checkpoint from world size %d: RNG streams restart from the seed", state.world_size)
+        log.warning(
+            "checkpoint from world size %d: RNG streams (and a comm hook's per-rank state) restart afresh",
+            state.world_size,
+        )
     log.info("resumed from %s (step %d)", path, state.step)
     return state
 

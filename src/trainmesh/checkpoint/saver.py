@@ -121,7 +121,8 @@ class Checkpointer:
         model_state, optim_state = rt.state_dicts(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
         staging = staging_dir(final)
-        job = _Save(state.step, staging, final, asdict(state), rng_state(), _tensor_sizes(tensors), None, None)
+        rank = {**rng_state(), "strategy": rt.rank_state()}  # taken now: the next step changes both
+        job = _Save(state.step, staging, final, asdict(state), rank, _tensor_sizes(tensors), None, None)
         self._agreed(lambda: self._make_staging(staging) if rt.is_main_process else None, job)
         if self._executor is None:
             job.state_dict = tensors

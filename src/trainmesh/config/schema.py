@@ -15,7 +15,7 @@ BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEBUG_LEVELS = ("off", "info", "detail")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 PIPELINE_SCHEDULES = (
     "gpipe",
     "1f1b",
@@ -103,11 +103,18 @@ class DDPConfig:
     sync_buffers: bool = True
     """Sync buffers (e.g. BatchNorm running stats) from rank 0 at each forward."""
     comm_hook: str = "none"
-    """Gradient compression on the wire: none | fp16 | bf16."""
+    """Gradient compression on the wire: none | fp16 | bf16 | powersgd (low-rank, with error feedback)."""
+    powersgd_rank: int = 1
+    """powersgd: rank of each gradient matrix's approximation (higher: closer to the exact gradient, more traffic)."""
+    powersgd_start_iter: int = 1000
+    """powersgd: optimizer steps with exact all-reduces before compression starts (torch's advice: about 10%
+    of training); at least 2."""
 
     def __post_init__(self) -> None:
         _one_of("parallel.ddp.comm_hook", self.comm_hook, COMM_HOOKS)
         _at_least("parallel.ddp.bucket_cap_mb", self.bucket_cap_mb, 0.001)
+        _at_least("parallel.ddp.powersgd_rank", self.powersgd_rank, 1)
+        _at_least("parallel.ddp.powersgd_start_iter", self.powersgd_start_iter, 2)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,17 @@ they leave on the device.
     forward    the forward passes (under pipeline parallelism: the whole schedule, forward and backward)
     sync       waiting for the step's all-reduce of the target count, issued before the first forward:
                the time this rank waits for its slowest peer to have read its batch
-    backward   the backward passes, including the wait for gradient communication DDP could not overlap
+    backward   the backward passes (with DDP, up to the moment its last gradient bucket is handed to the
+               network; elsewhere, including any wait for gradient communication)
+    comm       ddp: the exposed gradient communication, waited for after the last gradient was ready
+               (the part of DDP's all-reduce that backward could not hide)
     optimizer  unscale, clip, optimizer step, zero_grad
     other      everything else in the loop: logging, hooks
     eval, checkpoint   reported separately, as totals per window (not training-step time)
 
 Every rank measures its own; `MetricsWindow` brings them to rank 0 on the all-reduce each step makes
-anyway, to report the slowest rank and the spread. A rank's `compute` time leaves out sync and backward,
-where data parallelism makes every rank wait for the slowest: a straggler shows in it.
+anyway, to report the slowest rank and the spread. A rank's `compute` time leaves out sync, backward and
+comm, where data parallelism makes every rank wait for the slowest: a straggler shows in it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 
 import torch
 
-PHASES = ("data", "forward", "sync", "backward", "optimizer", "other")
+PHASES = ("data", "forward", "sync", "backward", "comm", "optimizer", "other")
 PAUSES = ("eval", "checkpoint")
 COMPUTE = ("data", "forward", "optimizer", "other")  # the phases in which a rank waits for no peer (ddp)
 

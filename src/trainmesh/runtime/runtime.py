@@ -211,6 +211,13 @@ class Runtime:
     ) -> None:
         self.strategy.load_state_dicts(model, optimizer, model_state, optim_state)
 
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state for a checkpoint (Strategy.rank_state)."""
+        return self.strategy.rank_state()
+
+    def load_rank_state(self, saved: dict[str, Any]) -> None:
+        self.strategy.load_rank_state(saved)
+
     @property
     def _has_group(self) -> bool:
         return dist.is_available() and dist.is_initialized()

@@ -242,3 +242,12 @@ class Strategy(ABC):
         optim_state: dict[str, Any],
     ) -> None:
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+    def rank_state(self) -> dict[str, Any]:
+        """State of this rank alone that a resume needs (e.g. a comm hook's error feedback), as CPU tensors and
+        plain values: saved in the checkpoint's per-rank file, loaded with weights_only."""
+        return {}
+
+    def load_rank_state(self, saved: dict[str, Any]) -> None:
+        """Restore `rank_state()`'s output, saved by this rank of a job of the same world size."""
+        del saved

@@ -17,9 +17,7 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +32,9 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from launcher import launch, typed_command
 from trainmesh.config import Config
 from trainmesh.core.batch import BatchPlan
-from trainmesh.core.env import free_port
 from trainmesh.data.corpus import default_cache_dir
 from trainmesh.job import load_config, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
@@ -48,7 +46,6 @@ from trainmesh.train.optim import lr_at
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt-tiny.toml"
 TARGET = 1.02
-CMD_ENV = "TRAINMESH_OVERHEAD_CMD"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -69,28 +66,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not 0 <= args.warmup < args.steps - 1 or args.rounds < 1:
         parser.error("need --rounds >= 1 and 0 <= --warmup < --steps - 1")
     return args, rest
-
-
-def launch(argv: list[str], nproc: int) -> int:
-    """Re-run this script under torchrun on loopback, one thread per rank; returns its exit code."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        __file__,
-        *argv,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", CMD_ENV: shlex.join([sys.executable, *sys.argv])}
-    print(f"launching: {shlex.join(cmd)}", flush=True)
-    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def trainmesh_round(args: argparse.Namespace, overrides: list[str], rt: Runtime, out: Path, r: int) -> dict[str, Any]:
@@ -176,7 +151,7 @@ def report(args: argparse.Namespace, plan: BatchPlan, tm: list[dict[str, Any]], 
     }
     ratio = sides["trainmesh"]["median_ms"] / sides["plain"]["median_ms"]
     verdict = "PASS" if ratio <= TARGET else "ABOVE TARGET"
-    command = os.environ.get(CMD_ENV, shlex.join([sys.executable, *sys.argv]))
+    command = typed_command()
     print("\n== framework overhead: trainmesh DDP step vs plain PyTorch DDP loop ==")
     print(f"command: {command}")
     print(f"torch {torch.__version__}; {dist.get_world_size()} gloo ranks × {torch.get_num_threads()} thread, CPU")
@@ -259,7 +234,7 @@ def rank_main(args: argparse.Namespace, extra: list[str]) -> int:
 def main() -> int:
     args, extra = parse_args(sys.argv[1:])
     if "RANK" not in os.environ:
-        return launch(sys.argv[1:], args.nproc)
+        return launch(__file__, sys.argv[1:], args.nproc)
     return rank_main(args, extra)
 
 

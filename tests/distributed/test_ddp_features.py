@@ -196,3 +196,14 @@ def test_logging_every_step_costs_no_collective_of_its_own(tmp_path: Path) -> No
     cancel out between a short and a longer run."""
     short, long = (run_distributed(collectives_rank, 2, args=(str(tmp_path), steps))[0] for steps in (4, 12))
     assert (long - short) / 8 == 1, (short, long)
+
+
+def test_a_window_logs_the_mean_loss_of_exactly_its_steps(tmp_path: Path) -> None:
+    """Losses ride on later steps' all-reduces: a window of 3 steps still logs the mean of its own 3 steps'."""
+    common = ["--train.max_steps=6", "--train.eval_every=0", "--checkpoint.final=false"]
+    runs = [[*common, "--run.log_every=1", "--run.id=each"], [*common, "--run.log_every=3", "--run.id=win"]]
+    each, windowed = run_distributed(train_rank_runs, 2, args=(str(tmp_path), runs))[0]
+    per_step = each["losses"]
+    assert len(per_step) == 6 and len(windowed["losses"]) == 2
+    for i, loss in enumerate(windowed["losses"]):
+        assert loss == pytest.approx(sum(per_step[3 * i : 3 * i + 3]) / 3, rel=1e-9), (i, per_step)

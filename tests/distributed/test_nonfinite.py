@@ -36,6 +36,8 @@ def test_abort_policy_names_the_step_and_the_rank(tmp_path: Path, monkeypatch: p
     expected = r"non-finite gradient norm at step 3 \(the loss was non-finite on rank\(s\) \[1\]\)"
     with pytest.raises(DistributedTestError, match=expected):
         run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=abort", "--run.id=a"]))
+    records = [json.loads(line) for line in (tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]  # the steps before it are recorded
 
 
 def test_too_many_skips_in_a_row_abort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -139,12 +139,16 @@ def _run(
     for step in range(state.step, tcfg.max_steps):
         lr = lr_at(step, config.optim, tcfg.max_steps)
         set_lr(s.optimizer, lr)
-        result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg, window.carry())
-        skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
-        if skipped_in_a_row > tcfg.max_skipped_steps:
-            raise NonFiniteError(
-                f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}"
-            )
+        try:
+            result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg, window.carry())
+            skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
+            if skipped_in_a_row > tcfg.max_skipped_steps:
+                raise NonFiniteError(
+                    f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}"
+                )
+        except NonFiniteError:  # every rank decided the same: the records of the steps before are kept
+            report(window.flush())
+            raise
         state.step = step + 1
         state.samples_seen += plan.global_batch
         hooks.after_step(state.step)

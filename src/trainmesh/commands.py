@@ -29,7 +29,8 @@ from trainmesh.rundir import (
 log = logging.getLogger("trainmesh")
 
 
-def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """The launch flags of `run`, `check` and `bench` (cli._add_launch_flags) as LaunchOptions."""
     return LaunchOptions(
         nproc_per_node=str(args.nproc_per_node),
         nnodes=str(args.nnodes),
@@ -45,27 +46,32 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
-def _resolve_all(config: Config, opts: LaunchOptions) -> list[Job]:
-    """Check the launch flags and the data, and resolve the job at every world size this launch may run at
-    (several when elastic)."""
+def check_launch(config: Config, opts: LaunchOptions) -> None:
+    """Check the launch flags and the data (before anything is started or written)."""
     opts.check()
     try:
         get_recipe(config.run.recipe).check_data(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def resolve_all(config: Config, opts: LaunchOptions) -> list[Job]:
+    """Check the launch flags and the data, and resolve the job at every world size this launch may run at
+    (several when elastic)."""
+    check_launch(config, opts)
     worlds = opts.world_sizes()
     return [resolve(config, world, worlds) for world in worlds]
 
 
 def run_script(args: argparse.Namespace) -> int:
     """`trainmesh run train.py ...`: the script and its arguments on every rank."""
-    return launch(_launch_options(args), [args.target, *args.rest], module=False)
+    return launch(launch_options(args), [args.target, *args.rest], module=False)
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     """`trainmesh run <recipe>`: check everything, claim the run folder, write its config, launch."""
-    opts = _launch_options(args)
-    jobs = _resolve_all(load_config(args.config, overrides, args.target), opts)  # before anything is written
+    opts = launch_options(args)
+    jobs = resolve_all(load_config(args.config, overrides, args.target), opts)  # before anything is written
     config = jobs[0].config
     run_id, out_dir = config.run.id, Path(config.run.out_dir)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
@@ -87,7 +93,13 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
             "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
         )
     job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic)
-    launch_id = suffix or new_job_id()
+    return launch_into(opts, jobs, job, run_dir, suffix or new_job_id())
+
+
+def launch_into(opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, launch_id: str) -> int:
+    """Hold `run_dir`'s lock, write (or, on a node that joins, match) the job's config there and launch its
+    workers; the exit code for the CLI. `jobs`: the job at every world size the launch may run at, for the log;
+    `launch_id`: the same on every node of a multi-node job."""
     with RunLock(run_dir, launch_id) as lock:
         if not job.resume and list_checkpoints(run_dir):
             newest = list_checkpoints(run_dir)[-1].name
@@ -123,8 +135,8 @@ def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
 
 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
-    opts = _launch_options(args)
-    for job in _resolve_all(load_config(args.config, overrides, args.target), opts):
+    opts = launch_options(args)
+    for job in resolve_all(load_config(args.config, overrides, args.target), opts):
         strategy, dims = job.layout
         print(f"world size {job.world_size}: OK — {strategy} on {dims.describe()}; {job.batch.describe()}")
     return 0

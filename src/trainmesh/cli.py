@@ -1,8 +1,9 @@
-"""The `trainmesh` command: run, check, env, ckpt.
+"""The `trainmesh` command: run, check, bench, env, ckpt.
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
+trainmesh bench gpt --config configs/gpt-tiny.toml --nprocs 1,2 --mode both   # weak and strong scaling
 trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
@@ -55,12 +56,39 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     )
 
 
-def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True, resume: bool = True) -> None:
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("recipe")
     g.add_argument("--config", default=d(None), help="TOML config file (see configs/)")
     g.add_argument("--run-id", default=d(None), help="run directory name under run.out_dir (= run.id)")
-    g.add_argument("--resume", action="store_true", default=d(False), help="continue from the newest checkpoint")
+    if resume:
+        g.add_argument("--resume", action="store_true", default=d(False), help="continue from the newest checkpoint")
+
+
+def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """`trainmesh bench`'s own flags; their values are checked by trainmesh.bench.plan, with messages that say how
+    to fix them (argparse's choices= and type= would not)."""
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("bench")
+    g.add_argument(
+        "--mode",
+        default=d("weak"),
+        help="weak (the batch per process fixed, the global batch grows) | strong (the global batch fixed) | both",
+    )
+    g.add_argument(
+        "--nprocs",
+        default=d(None),
+        help="process counts per node, e.g. 1,2,3 (default: 1, 2, 4, ... up to --nproc-per-node, else up to the "
+        "GPUs or the CPU cores / OMP_NUM_THREADS)",
+    )
+    g.add_argument("--steps", type=int, default=d(20), help="timed steps per point (default 20)")
+    g.add_argument("--warmup", type=int, default=d(5), help="steps before the timed ones, not timed (default 5)")
+    g.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        default=d(False),
+        help="allow more processes than the machine runs side by side (they then share cores or devices)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(check)
     _add_recipe_flags(check)
     check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    bench = sub.add_parser(
+        "bench",
+        help="scaling experiment: the same job at 1, 2, 4, ... processes, weak and/or strong",
+        description="Run a recipe at several process counts (each a trainmesh run with its own run folder) and write "
+        "bench.json, bench.md and scaling.png into a bench folder under run.out_dir. Weak scaling keeps the batch "
+        "per process, strong scaling the global batch. Dotted config overrides follow, optionally after --.",
+    )
+    bench.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
+    _add_launch_flags(bench)
+    _add_recipe_flags(bench, resume=False)
+    _add_bench_flags(bench)
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
     ckpt = sub.add_parser("ckpt", help="verify, describe, export or upgrade checkpoints (offline, one process)")
     ckpt.add_argument(
@@ -111,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Flags may also follow the recipe name; the leftovers must be --section.key=value overrides."""
-    tail = argparse.ArgumentParser(add_help=False)
+    tail = argparse.ArgumentParser(prog=f"{parser.prog} {args.command}", add_help=False)
     _add_launch_flags(tail, defaults=False)
-    _add_recipe_flags(tail, defaults=False)
+    _add_recipe_flags(tail, defaults=False, resume=args.command != "bench")
+    if args.command == "bench":
+        _add_bench_flags(tail, defaults=False)
     tokens = list(args.rest)
     _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
     overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
@@ -122,7 +164,7 @@ def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
     if args.run_id:
         overrides.append(f"--run.id={args.run_id}")
-    if args.resume:
+    if getattr(args, "resume", False):
         overrides.append("--checkpoint.resume=true")
     return overrides
 
@@ -146,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"script {args.target!r} does not exist")
             return commands.run_script(args)
         overrides = _split_recipe_args(parser, args)
+        if args.command == "bench":
+            from trainmesh.bench.command import cmd_bench
+
+            args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for bench.json
+            return cmd_bench(args, overrides)
         if args.command == "check":
             return commands.cmd_check(args, overrides)
         return commands.cmd_run(args, overrides)

@@ -1,0 +1,10 @@
+"""`trainmesh bench`: the classic scaling experiment. The same job runs at 1, 2, 4, ... processes, weak (the
+batch per rank fixed) or strong (the global batch fixed), each point a real `trainmesh run`-style launch into a
+folder of its own; the points' metrics become bench.json, bench.md and scaling.png.
+
+    plan.py     what was asked (modes, process counts, steps) checked against the machine, and the points
+    report.py   a point's figures from its metrics.jsonl, speedup and efficiency, the files written at the end
+    command.py  the command: check everything, claim the bench folder, run the points, report
+
+It is a command built on `trainmesh run` (commands.launch_into), one layer above the other commands.
+"""

@@ -5,7 +5,9 @@ with trainmesh's own loop, once per setting: parallel.ddp.bucket_cap_mb × paral
 interleaved over `--rounds` rounds (a, b, c, ..., a, b, c, ...); the first `--warmup` steps of every run are
 dropped. Per setting: the median step time and the median of the breakdown's phases, among them `comm`, the
 exposed communication (the wait, after the last gradient bucket is handed to the network, for the all-reduce
-to finish). PowerSGD compresses from its 3rd step here (parallel.ddp.powersgd_start_iter=2), at rank 1.
+to finish). PowerSGD compresses from its 3rd step here (parallel.ddp.powersgd_start_iter=2), at rank 1; on
+gloo it finishes each bucket's exchange inside backward (docs/parallelism.md), so only its last bucket's shows
+as exposed communication: compare its step time.
 Writes comm.json, comm.md (the table) and comm.png (step time split into exposed communication and the rest).
 
     python benchmarks/comm.py [--buckets 0.25,1,25 --hooks none,fp16,powersgd --steps 30 --rounds 2 --out DIR]

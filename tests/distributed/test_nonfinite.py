@@ -37,7 +37,10 @@ def test_abort_policy_names_the_step_and_the_rank(tmp_path: Path, monkeypatch: p
     with pytest.raises(DistributedTestError, match=expected):
         run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--train.nonfinite=abort", "--run.id=a"]))
     records = [json.loads(line) for line in (tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]  # the steps before it are recorded
+    aborted = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    monkeypatch.delenv(ENV_VAR)
+    clean = run_distributed(train_rank, 2, args=(str(tmp_path), [*RUN, "--run.id=c"]))[0]["losses"]
+    assert aborted == [(1, clean[0]), (2, clean[1])]  # the steps before it are recorded, with their losses
 
 
 def test_too_many_skips_in_a_row_abort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

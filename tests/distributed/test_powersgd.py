@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from support import train_rank, train_rank_runs
+from trainmesh.faults import ENV_VAR
 from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(240)
@@ -56,3 +57,16 @@ def test_powersgd_compresses_after_its_start_and_resumes_exactly(tmp_path: Path)
 def saved_state(run_dir: Path, rank: int) -> dict[str, Any]:
     ckpt = run_dir / "checkpoints" / "step_00000005"
     return torch.load(ckpt / "rng" / f"rank_{rank}.pt", weights_only=True)["strategy"]["powersgd"]
+
+
+def test_a_skipped_non_finite_step_does_not_poison_the_error_feedback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN at step 5 (compressed since step 4) enters PowerSGD's error feedback; skipping the step clears it,
+    so the steps after it are finite again (kept, it would add NaN to every later gradient)."""
+    monkeypatch.setenv(ENV_VAR, "rank=1,step=5,kind=nan")
+    run = [*BATCH, *POWERSGD, "--train.nonfinite=skip", "--run.id=nan"]
+    result = run_distributed(train_rank, 2, args=(str(tmp_path), run))[0]
+    norms = result["grad_norms"]
+    assert norms[4] != norms[4] and all(n == n for i, n in enumerate(norms) if i != 4), norms
+    assert all(bool(torch.isfinite(v).all()) for v in result["params"].values())

@@ -13,10 +13,11 @@ from trainmesh.bench.plan import Machine, choose_counts, plan_points, timing_ove
 from trainmesh.bench.report import Measured, Row, add_scaling, markdown_table, measure
 from trainmesh.cli import main
 from trainmesh.launch import LaunchOptions
+from trainmesh.metrics.breakdown import PHASES
 
 pytestmark = pytest.mark.timeout(60)
 
-PHASES_MS = dict.fromkeys(("data", "forward", "sync", "backward", "optimizer", "other"), 1.0)
+PHASES_MS = dict.fromkeys(PHASES, 1.0)
 
 
 def _measured(step_ms: float, throughput: float) -> Measured:
@@ -24,7 +25,7 @@ def _measured(step_ms: float, throughput: float) -> Measured:
 
 
 def _row(mode: str, processes: int, measured: Measured | None, exit_code: int | None = 0) -> Row:
-    return Row(mode, processes, 8 * processes, 8, 1, 1024, f"runs/b/n{processes}", exit_code, "", measured)
+    return Row(mode, processes, 8 * processes, 8, 1, 1024, processes, f"runs/b/n{processes}", exit_code, "", measured)
 
 
 def test_weak_speedup_is_the_throughput_ratio_and_strong_the_step_time_ratio() -> None:
@@ -47,6 +48,17 @@ def test_weak_speedup_is_the_throughput_ratio_and_strong_the_step_time_ratio() -
     assert "efficiency (speedup / n)" in table
 
 
+def test_weak_scaling_under_model_parallelism_is_ideal_at_the_data_parallel_ratio() -> None:
+    """4 processes as 2 pipeline stages × 2 replicas double the batch of 1 process, not quadruple it."""
+    base, grouped = _row("weak", 1, _measured(100.0, 1000.0)), _row("weak", 4, _measured(110.0, 1800.0))
+    grouped.dp_ranks = 2
+    strong = [_row("strong", 1, _measured(100.0, 1000.0)), _row("strong", 4, _measured(50.0, 2000.0))]
+    strong[1].dp_ranks = 2
+    add_scaling([base, grouped, *strong])
+    assert (grouped.ideal, grouped.efficiency) == (2.0, pytest.approx(0.9))
+    assert strong[1].ideal == 4.0  # the same work on four times the processes
+
+
 def test_without_a_one_process_point_the_smallest_count_is_the_base() -> None:
     rows = [_row("weak", 2, _measured(100.0, 1000.0)), _row("weak", 4, _measured(100.0, 2000.0))]
     add_scaling(rows)
@@ -64,11 +76,11 @@ def test_medians_are_taken_over_the_timed_steps_only() -> None:
     records = [{"kind": "val", "step": 0, "val_loss": 5.0}]
     for step, ms in enumerate([900.0, 800.0, 10.0, 30.0, 20.0], start=1):  # two slow warm-up steps
         records.append(
-            {"kind": "train", "step": step, "step_time_ms": ms, **{f"time_{p}_ms": ms / 6 for p in PHASES_MS}}
+            {"kind": "train", "step": step, "step_time_ms": ms, **{f"time_{p}_ms": ms / len(PHASES) for p in PHASES_MS}}
         )
     m = measure(records, warmup=2, steps=3, units_per_step=400)
     assert (m.steps, m.step_ms, m.throughput) == (3, 20.0, 20_000.0)
-    assert m.phases_ms["backward"] == pytest.approx(20 / 6) and m.step_ms_p10 < m.step_ms < m.step_ms_p90
+    assert m.phases_ms["backward"] == pytest.approx(20 / len(PHASES)) and m.step_ms_p10 < m.step_ms < m.step_ms_p90
     with pytest.raises(ValueError, match=r"timed step\(s\) \[6\]"):
         measure(records, warmup=2, steps=4, units_per_step=400)
 

@@ -8,6 +8,7 @@ CLI, then resumed to the very weights of an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -133,4 +134,25 @@ def test_a_damaged_checkpoint_is_not_upgraded(tmp_path: Path, capsys: pytest.Cap
     before = sorted(p.name for p in ckpt.parent.iterdir())
     assert main(["ckpt", "upgrade", str(ckpt)]) == 1
     assert "does not verify, so it was not upgraded" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == before
+
+
+def test_a_symlink_or_an_unconvertible_checkpoint_is_refused_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train_rank(0, str(tmp_path), ["--checkpoint.final=true", "--run.id=r", "--train.max_steps=1"])
+    (ckpt,) = list_checkpoints(tmp_path / "runs" / "r")
+    to_old_layout(ckpt, n_head=2)
+    link = tmp_path / "link"
+    link.symlink_to(ckpt)
+    assert main(["ckpt", "upgrade", str(link)]) == 1
+    assert "is a symbolic link" in capsys.readouterr().err and link.is_symlink()
+    # its recorded [model] made impossible to map: 3 heads do not divide 32 columns
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    state["config"]["model"]["n_head"] = 3
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state))
+    write_manifest_here(ckpt)
+    before = sorted(p.name for p in ckpt.parent.iterdir())
+    assert main(["ckpt", "upgrade", str(ckpt)]) == 1
+    assert "cannot be converted" in capsys.readouterr().err
     assert sorted(p.name for p in ckpt.parent.iterdir()) == before

@@ -85,3 +85,11 @@ def test_your_own_recipe_is_the_one_the_job_is_resolved_with(tmp_path: Path) -> 
     assert resolve(config, 1, recipe=Pairs()).batch.global_batch == 32
     with pytest.raises(ConfigError, match="not a whole number of sequences of 128 tokens"):
         resolve(config, 1)  # the built-in GPT's samples are block_size tokens long
+
+
+def test_powersgd_is_refused_with_a_changing_loss_scale() -> None:
+    """Its error feedback would keep gradients in the loss scale of their step (and take in overflows)."""
+    config = load_config(None, ["--parallel.ddp.comm_hook=powersgd", "--train.precision=16-mixed"], "gpt")
+    with pytest.raises(ConfigError, match=r"comm_hook='powersgd' with train.precision='16-mixed'.*bf16-mixed"):
+        resolve(config, 2)
+    resolve(load_config(None, ["--parallel.ddp.comm_hook=powersgd", "--train.precision=bf16-mixed"], "gpt"), 2)

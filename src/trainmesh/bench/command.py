@@ -83,9 +83,17 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
             log.info("the node holding %s writes the report", bench_dir)
             return _first_failure(codes.values())
         ran = [bench_dir / name / METRICS_FILE for name, code in codes.items() if code == 0]
-        if opts.multi_node and not all(path.is_file() for path in ran):  # no shared file system
+        here = [path.is_file() for path in ran]
+        if opts.multi_node and ran and not any(here):  # no shared file system: rank 0 ran on another node
             log.info("rank 0 of the points ran on another node (no %s here): that node writes the report", METRICS_FILE)
             return _first_failure(codes.values())
+        if opts.multi_node and not all(here):
+            log.error(
+                "the points' %s are spread over the nodes (rank 0 of each point ran where its rendezvous put it), so "
+                "no node can write the whole report. Fix: a run.out_dir on a file system all nodes share.",
+                METRICS_FILE,
+            )
+            return _first_failure(codes.values()) or 1
         rows = _rows(points, codes, bench_dir, args.warmup, args.steps)
         _report(rows, points[0].job, machine, bench_dir, args, counts, low)
     failed = [r for r in rows if r.measured is None]
@@ -176,6 +184,7 @@ def _rows(points: list[Point], codes: dict[str, int], bench_dir: Path, warmup: i
             b.micro_batch,
             b.accum_steps,
             units,
+            b.dp_size,
             str(run_dir),
             codes.get(p.run_name),
         )

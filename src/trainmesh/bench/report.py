@@ -44,7 +44,7 @@ class Measured:
     throughput: float
     """Global batch (tokens or samples) / median step time, per second."""
     phases_ms: dict[str, float]
-    """Median ms per step of each phase of rank 0's breakdown (data, forward, sync, backward, optimizer, other)."""
+    """Median ms per step of each phase of rank 0's breakdown (metrics.breakdown.PHASES)."""
 
 
 def measure(records: list[dict[str, Any]], warmup: int, steps: int, units_per_step: float) -> Measured:
@@ -73,6 +73,8 @@ class Row:
     accum_steps: int
     units_per_step: int
     """Tokens (token recipes) or samples per optimizer step."""
+    dp_ranks: int
+    """Data-parallel ranks (the processes, unless pipeline or tensor parallelism groups them)."""
     run_dir: str
     exit_code: int | None = None
     """The point's launch exit code; None: not run (the bench stopped before it)."""
@@ -99,7 +101,9 @@ def add_scaling(rows: list[Row]) -> None:
             if base.measured is None or row.measured is None:
                 continue
             row.speedup = speedup_of(mode, base.measured, row.measured)
-            row.ideal = row.processes / base.processes
+            # Weak scaling grows the batch with the data-parallel ranks; strong scaling gives the same work more
+            # processes. Without pipeline or tensor parallelism the two ratios are the same.
+            row.ideal = row.dp_ranks / base.dp_ranks if mode == "weak" else row.processes / base.processes
             row.efficiency = row.speedup / row.ideal
 
 

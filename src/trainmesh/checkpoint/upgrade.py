@@ -11,7 +11,7 @@ one) and converts the full state in memory; this module does the rest, in one pr
         takes its name
 
 A crash before the swap leaves the original in place; between the two renames, it leaves the original
-under its .pre-upgrade name (rename it back, or run the upgrade again on it).
+under its .pre-upgrade name: rename it back to its step_* name and run the upgrade again.
 """
 
 from __future__ import annotations
@@ -46,15 +46,22 @@ class UpgradeError(UserError, ValueError):
 
 def upgrade_checkpoint(path: Path, convert: Converter) -> list[str]:
     """Rewrite the checkpoint at `path` in the current layout; returns the changes ([]: left untouched)."""
+    if path.is_symlink():
+        raise UpgradeError(f"{path} is a symbolic link; upgrade the checkpoint it points to, by its own path")
     problems = check_checkpoint(path)
     if problems:
         raise UpgradeError(f"{path} does not verify, so it was not upgraded:\n  " + "\n  ".join(problems))
     trainer_state = TrainerState.read(path)
     state = read_full_state(path)
-    changes = convert(state, trainer_state)
+    try:
+        changes = convert(state, trainer_state)
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # a config or tensors the recipe cannot map
+        raise UpgradeError(f"{path} cannot be converted ({type(e).__name__}: {e}); nothing was changed") from None
     if not changes:
         return []
     staging = path.with_name(f".{path.name}.upgrade.tmp")
+    if staging.is_symlink() or staging.is_file():
+        staging.unlink()  # not ours to follow
     shutil.rmtree(staging, ignore_errors=True)  # a leftover of an interrupted upgrade
     staging.mkdir()
     try:
@@ -77,6 +84,9 @@ def _write(folder: Path, state: dict[str, Any], original: Path) -> None:
     if (original / "rng").is_dir():
         shutil.copytree(original / "rng", folder / "rng", symlinks=True)
     write_manifest_here(folder)
+    for written in (folder / "rng", folder):
+        if written.is_dir():
+            fsync_dir(written)  # the names in them are durable before the swap makes the copy the checkpoint
     verdict = verify(folder)
     if not verdict.ok or not (folder / MANIFEST).is_file():
         raise UpgradeError(f"the upgraded copy of {original} did not verify: {'; '.join(verdict.problems)}")

@@ -218,6 +218,10 @@ class Runtime:
     def load_rank_state(self, saved: dict[str, Any]) -> None:
         self.strategy.load_rank_state(saved)
 
+    def on_skipped_step(self) -> None:
+        """The optimizer step was skipped (a non-finite gradient): state built from its gradients is dropped."""
+        self.strategy.on_skipped_step()
+
     @property
     def _has_group(self) -> bool:
         return dist.is_available() and dist.is_initialized()

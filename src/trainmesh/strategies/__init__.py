@@ -117,6 +117,12 @@ def check_layout(parallel: ParallelConfig, layout: Layout, precision: str) -> No
             "rank's part of the gradients, and ranks could disagree on skipping a step. "
             "Fix: --train.precision=bf16-mixed."
         )
+    if name == "ddp" and parallel.ddp.comm_hook == "powersgd" and precision == "16-mixed":
+        raise ValueError(
+            "parallel.ddp.comm_hook='powersgd' with train.precision='16-mixed': PowerSGD's error feedback would hold "
+            "gradients in the loss scale of their step, which changes, and an overflow would enter it. "
+            "Fix: --train.precision=bf16-mixed (or 32-true), or another parallel.ddp.comm_hook."
+        )
 
 
 def build_strategy(

@@ -251,3 +251,7 @@ class Strategy(ABC):
     def load_rank_state(self, saved: dict[str, Any]) -> None:
         """Restore `rank_state()`'s output, saved by this rank of a job of the same world size."""
         del saved
+
+    def on_skipped_step(self) -> None:
+        """The step's gradients were not finite and the optimizer skipped it: forget what was built from them."""
+        return  # most strategies keep nothing of a step's gradients

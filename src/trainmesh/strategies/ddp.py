@@ -128,6 +128,10 @@ class DDPStrategy(Strategy):
         if self._powersgd is not None:
             self._powersgd.load_rank_state(saved.get("powersgd"))
 
+    def on_skipped_step(self) -> None:
+        if self._powersgd is not None:
+            self._powersgd.reset()  # its error feedback and Qs hold the non-finite gradient now
+
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         if enabled and isinstance(module, DistributedDataParallel):

@@ -85,23 +85,39 @@ class PowerSGD:
         }
 
     def load_rank_state(self, saved: Any) -> None:
-        """Restore `rank_state()`'s output (None: none was saved; the state starts afresh)."""
+        """Restore `rank_state()`'s output (None: none was saved; the state starts afresh). A file that does not
+        read as one, or holds non-finite values, is not used at all (a warning says so)."""
         if saved is None:
             return
         try:
             kind, keys, pos, has_gauss, gauss = saved["rng"]
-            self.state.rng.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-            self.state.iter = int(saved["iter"])
-            self._pieces = {
+            rng = (str(kind), keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss))
+            step = int(saved["iter"])
+            pieces = {
                 str(name): {k: v for k, v in p.items() if k in ("error", "q")} for name, p in saved["params"].items()
             }
+            if not all(
+                isinstance(v, torch.Tensor) and bool(v.isfinite().all()) for p in pieces.values() for v in p.values()
+            ):
+                raise ValueError("non-finite or non-tensor values")
+            probe = np.random.RandomState()
+            probe.set_state(rng)  # raises on a malformed state, before anything of ours changed
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged or foreign file
             log.warning("the checkpoint's PowerSGD state is unusable (%s): PowerSGD starts afresh", e)
-            self._pieces = {}
+            return
+        self.reset()
+        self.state.rng.set_state(rng)
+        self.state.iter = step
+        self._pieces = pieces
+
+    def reset(self) -> None:
+        """Forget the error feedback and the warm-start Qs (after a skipped, non-finite step): the next step
+        compresses afresh, with new random Qs. The step count and the random stream go on."""
         self.state.error_dict.clear()
         self.state.p_memory_dict.clear()
         self.state.q_memory_dict.clear()
         self._layout.clear()
+        self._pieces = {}
 
     # -- per bucket <-> per parameter ---------------------------------------------------------------
     def _cut_all(self, clear: bool = True) -> Pieces:

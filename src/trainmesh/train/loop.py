@@ -144,11 +144,14 @@ def _run(
             skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
             if skipped_in_a_row > tcfg.max_skipped_steps:
                 raise NonFiniteError(
-                    f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}"
+                    f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}",
+                    result.reduce,
                 )
-        except NonFiniteError:  # every rank decided the same: the records of the steps before are kept
-            report(window.flush())
+        except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
+            report(window.abort(e.reduce))
             raise
+        if not result.stepped:
+            runtime.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
         state.step = step + 1
         state.samples_seen += plan.global_batch
         hooks.after_step(state.step)
@@ -248,7 +251,7 @@ def train_step(
         if math.isfinite(float(grad_norm)) or runtime.scales_loss:
             stepped = runtime.step(s.optimizer)  # a GradScaler skips an overflowing step and lowers its scale
         else:
-            stepped = _nonfinite(step, step_loss, tcfg, runtime)  # abort raises; skip returns False
+            stepped = _nonfinite(step, step_loss, tcfg, runtime, reduced)  # abort raises; skip returns False
         s.optimizer.zero_grad(set_to_none=True)
     profiler.mark("other")
     global_targets, stop_votes = reduced.result()
@@ -262,15 +265,21 @@ def _stop_reason(stop: int) -> str:
 class NonFiniteError(UserError, RuntimeError):
     """A NaN/inf gradient with train.nonfinite=abort, or too many skipped steps in a row."""
 
+    def __init__(self, message: str, reduce: PendingReduce | None = None) -> None:
+        super().__init__(message)
+        self.reduce = reduce
+        """The failing step's all-reduce, which carried the last window's loss (the loop completes it)."""
 
-def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: TrainConfig, runtime: Runtime) -> bool:
+
+def _nonfinite(step: int, step_loss: torch.Tensor, tcfg: TrainConfig, runtime: Runtime, reduced: PendingReduce) -> bool:
     """Every rank arrives here together (see the caller). Raises for nonfinite=abort; False otherwise."""
     sick = [r for r, bad in enumerate(runtime.all_gather_object(not math.isfinite(float(step_loss)))) if bad]
     where = f"the loss was non-finite on rank(s) {sick}" if sick else "the losses were finite: the gradients overflowed"
     if tcfg.nonfinite == "abort":
         raise NonFiniteError(
             f"non-finite gradient norm at step {step} ({where}); the optimizer step was not taken. "
-            "Fix: lower optim.lr, check the data, or --train.nonfinite=skip to skip such steps."
+            "Fix: lower optim.lr, check the data, or --train.nonfinite=skip to skip such steps.",
+            reduced,
         )
     if runtime.is_main_process:
         log.warning("step %d skipped on every rank: non-finite gradient norm (%s)", step, where)

@@ -156,6 +156,15 @@ class MetricsWindow:
         self.closed = Record(step, metrics, self.targets, self.reduces)
         self.reduces, self.targets, self.steps, self.start = [], 0.0, 0, now
 
+    def abort(self, reduce: PendingReduce | None) -> Record | None:
+        """The window closed at the last step, completed by the all-reduce of a step that then failed (it carried
+        that window's last loss; `reduce` None: no step carried it, so `flush`)."""
+        if reduce is None or self.closed is None:
+            return self.flush()
+        done, self.closed = self.closed, None
+        done.reduces.append(reduce)
+        return self._checked(done.complete())
+
     def flush(self) -> Record | None:
         """Collective: the window closed at the last step, completed now by an all-reduce of what no step has
         carried yet (at the end, and before a checkpoint, so that a resume finds every record before it)."""

@@ -39,6 +39,7 @@ from trainmesh.rundir import (
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.loop import TrainResult, train
+from trainmesh.train.parity import ParityProbe
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog, attempt_label
 
@@ -87,7 +88,7 @@ def run_worker(
         )
         faults = FaultPlan.from_environ(runtime.rank, run_dir)  # the test hook, parsed once
         with PreemptionWatch() as preemption, stall_watch as watchdog:
-            hooks = RunHooks(preemption, watchdog, faults)
+            hooks = RunHooks(preemption, watchdog, faults, ParityProbe.from_environ())
             result = train(job.config, job.batch, job.recipe, runtime, run_dir, hooks)
         if runtime.is_main_process:
             _report(result, run_dir)

@@ -180,6 +180,17 @@ class Strategy(ABC):
         inner = getattr(module, "module", None)
         return inner if isinstance(inner, nn.Module) else module
 
+    @property
+    def whole_model_names(self) -> dict[str, str]:
+        """This rank's names of parameters that the whole model calls otherwise: a weight tied across pipeline
+        stages is the last stage's `lm_head.weight` here and the model's `wte.weight`. Empty elsewhere."""
+        return {}
+
+    def parameter_stages(self) -> dict[str, int]:
+        """The pipeline stage that holds each of this rank's parameters, by name (its first, when two stages on
+        this rank share one); empty without pipeline parallelism, where the whole model is stage 0."""
+        return {}
+
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         """Skip gradient synchronisation for non-final micro-steps of an accumulation window."""

@@ -218,6 +218,17 @@ class PipelineStrategy(Strategy):
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         raise AssertionError("each stage is wrapped by the data-parallel strategy, in setup_module")
 
+    @property
+    def whole_model_names(self) -> dict[str, str]:
+        return dict(self._canonical)
+
+    def parameter_stages(self) -> dict[str, int]:
+        stages: dict[str, int] = {}
+        for index in sorted(self._stages):  # stage names are the whole model's (the stages share its submodules)
+            for name, _ in self.inner.unwrap(self._stages[index]).named_parameters():
+                stages.setdefault(name, index)
+        return stages
+
     # -- state --------------------------------------------------------------------------------------
     def state_dicts(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         model_state, optim_state = super().state_dicts(module, optimizer)

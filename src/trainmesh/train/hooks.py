@@ -1,7 +1,7 @@
 """What watches a training run from outside its arithmetic, as one object the worker builds once and the
-loop calls once per phase: the stop signals (preemption.py), the stall watchdog (watchdog.py) and the
-fault-injection test hook (trainmesh.faults). Each part defaults to a no-op, so a library caller of
-`train()` passes nothing, and the loop never reads the environment per step."""
+loop calls once per phase: the stop signals (preemption.py), the stall watchdog (watchdog.py), the
+fault-injection test hook (trainmesh.faults) and the parity probe (parity.py). Each part defaults to a
+no-op, so a library caller of `train()` passes nothing, and the loop never reads the environment per step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from trainmesh.faults import FaultPlan
+from trainmesh.train.parity import ParityProbe
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog
 
@@ -24,6 +25,8 @@ class RunHooks:
     """Told of every finished step, evaluation and checkpoint."""
     faults: FaultPlan = field(default_factory=FaultPlan.none)
     """The faults TRAINMESH_FAULT plans for this rank (tests only)."""
+    probe: ParityProbe | None = None
+    """Fingerprints of every step for `trainmesh check --parity` (TRAINMESH_PARITY_RECORD); None: off."""
 
     def before_data(self, step: int) -> None:
         """Optimizer step `step` (from 1) is about to read its batch."""

@@ -219,6 +219,9 @@ def train_step(
 ) -> StepResult:
     """Optimizer step `step` (counted from 1): steps 1-4 of the module docstring. `carry`: this rank's loss of
     earlier steps, for the metrics window, reduced in the step's all-reduce."""
+    probe = hooks.probe  # the parity check's (None in every other run)
+    if probe is not None:  # its collectives before the step's own
+        probe.before_step(runtime, s.raw_model)
     profiler.mark("data")
     with profiler.phase("data"):
         hooks.before_data(step)
@@ -247,6 +250,8 @@ def train_step(
     profiler.mark("optimizer")
     with profiler.phase("optimizer"):
         grad_norm = runtime.clip_grad_norm(s.model, s.optimizer, tcfg.grad_clip)
+        if probe is not None:  # every strategy has synchronised the gradients by now
+            probe.gradients(step, runtime, s.raw_model, grad_norm, tcfg.grad_clip)
         # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
         if math.isfinite(float(grad_norm)) or runtime.scales_loss:
             stepped = runtime.step(s.optimizer)  # a GradScaler skips an overflowing step and lowers its scale
@@ -255,6 +260,8 @@ def train_step(
         s.optimizer.zero_grad(set_to_none=True)
     profiler.mark("other")
     global_targets, stop_votes = reduced.result()
+    if probe is not None:
+        probe.after_step(step, runtime, s.raw_model, step_loss, global_targets, stepped)
     return StepResult(step_loss, global_targets, grad_norm, stepped, stop_votes, reduced)
 
 

@@ -3,6 +3,7 @@
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
+trainmesh check gpt --config configs/gpt-tiny.toml --nproc-per-node 2 --parity   # 2 processes train like 1?
 trainmesh bench gpt --config configs/gpt-tiny.toml --nprocs 1,2 --mode both   # weak and strong scaling
 trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
@@ -91,6 +92,34 @@ def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
     )
 
 
+def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """`trainmesh check --parity`'s flags; checked by trainmesh.parity.command (messages that say how to fix)."""
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("parity (compare two trainings step by step)")
+    g.add_argument(
+        "--parity",
+        action="store_true",
+        default=d(False),
+        help="run the job twice and compare loss, gradient norm and every parameter's gradients and weights per "
+        "step: the launch's processes against 1 process, or --parity-a against --parity-b; exit 0 equal, 1 not",
+    )
+    g.add_argument("--parity-steps", type=int, default=d(None), help="steps to compare (default 5)")
+    g.add_argument(
+        "--parity-a",
+        default=d(None),
+        help="side A's own overrides, e.g. --parity-a='parallel.strategy=ddp' (space-separated section.key=value)",
+    )
+    g.add_argument(
+        "--parity-b", default=d(None), help="side B's own overrides, e.g. --parity-b='train.precision=bf16-mixed'"
+    )
+    g.add_argument(
+        "--parity-rtol",
+        type=float,
+        default=d(None),
+        help="the relative tolerance floor instead of the dtype's (default: 64 eps for fp32, 4 eps for 16-bit)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -108,10 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run)
     _add_recipe_flags(run)
     run.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    check = sub.add_parser("check", help="resolve a config for the launch's world size(s): layout and batch plan")
+    check = sub.add_parser(
+        "check",
+        help="resolve a config for the launch's world size(s): layout and batch plan; --parity: compare two trainings",
+        description="Resolve a recipe's config at every world size the launch flags imply and print the layout and "
+        "batch plan. With --parity, train it twice for a few steps (the launch's processes vs 1, or --parity-a vs "
+        "--parity-b) and report the first step and parameter where the two differ beyond tolerance.",
+    )
     check.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
     _add_launch_flags(check)
     _add_recipe_flags(check)
+    _add_parity_flags(check)
     check.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     bench = sub.add_parser(
         "bench",
@@ -156,6 +192,8 @@ def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     _add_recipe_flags(tail, defaults=False, resume=args.command != "bench")
     if args.command == "bench":
         _add_bench_flags(tail, defaults=False)
+    if args.command == "check":
+        _add_parity_flags(tail, defaults=False)
     tokens = list(args.rest)
     _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
     overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
@@ -194,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
             args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for bench.json
             return cmd_bench(args, overrides)
         if args.command == "check":
+            from trainmesh.parity.command import check_parity_flags, cmd_parity
+
+            check_parity_flags(args)
+            if args.parity:
+                args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for parity.json
+                return cmd_parity(args, overrides)
             return commands.cmd_check(args, overrides)
         return commands.cmd_run(args, overrides)
     except UserError as e:

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"train"},
     {"job", "rundir", "launch", "reference"},
     {"worker", "commands"},
-    {"bench"},  # a command built on `run` (commands.launch_into)
+    {"bench", "parity"},  # commands built on `run` (commands.launch_into)
     {"cli", "__main__"},
 ]
 FACADE = "__init__"  # trainmesh/__init__.py names the public API lazily; nothing imports it but the CLI (--version)

@@ -111,6 +111,15 @@ def test_the_tolerance_is_a_multiple_of_the_widest_spread_of_its_kind_so_far() -
         assert compare(a, b, _scaled(b, 2, "grads", "wte.weight", 1 + 1e-4)).equal is equal
 
 
+def test_a_spread_that_is_not_finite_leaves_the_floor_in_force() -> None:
+    """B again overflowing where B did not measures no spread: a later divergence of that kind is still caught."""
+    a = _record()
+    b = _scaled(a, 3, "grads", "head.weight", 1 + 1e-3)
+    again = _scaled(b, 2, "grads", "wte.weight", float("inf"))
+    result = compare(a, b, again)
+    assert result.first is not None and (result.first.step, result.first.param) == (3, "head.weight")
+
+
 def test_the_floor_comes_from_the_least_precise_dtype_or_the_flag() -> None:
     a, bf16 = _record(), _record(compute="bfloat16")
     assert tolerance_floor(a) == (pytest.approx(64 * 2.0**-23), "64 × eps of float32")
@@ -183,6 +192,8 @@ def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) ->
         (["--parity", "--", "--model.dropout=0.1"], ["model.dropout=0.1: each rank draws its own dropout masks"]),
         (["--parity", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"], ["runs on one node"]),
         (["--parity", "--parity-rtol=-1"], ["--parity-rtol=-1.0: a relative tolerance is 0 or more"]),
+        (["--parity", "--parity-rtol=inf"], ["--parity-rtol=inf: a relative tolerance is 0 or more"]),
+        (["--parity", "--", "--train.max_steps=50"], ["after --): the parity check sets train.max_steps itself"]),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import shlex
 from collections.abc import Iterator
@@ -98,7 +99,7 @@ def check_parity_flags(args: argparse.Namespace) -> None:
         raise ParityError("--resume cannot go with --parity: each side of a parity check starts from step 0")
     if args.parity_steps is not None and args.parity_steps < 1:
         raise ParityError(f"--parity-steps={args.parity_steps}: must be at least 1")
-    if args.parity_rtol is not None and not args.parity_rtol >= 0:
+    if args.parity_rtol is not None and not (math.isfinite(args.parity_rtol) and args.parity_rtol >= 0):
         raise ParityError(f"--parity-rtol={args.parity_rtol}: a relative tolerance is 0 or more (e.g. 1e-5)")
 
 
@@ -113,13 +114,22 @@ def side_overrides(flag: str, text: str | None) -> list[str]:
                 f"{flag}={text!r}: {item!r} is not an override. Fix: {flag}='section.key=value ...', e.g. "
                 f"{flag}='parallel.strategy=fsdp'."
             )
-        if key in SET_BY_PARITY:
-            raise ParityError(
-                f"{flag}: the parity check sets {key} itself (the same on both sides; --parity-steps sets the "
-                f"steps). Fix: leave {key} out of {flag}."
-            )
         overrides.append("--" + item.removeprefix("--"))
+    _check_not_set_by_parity(flag, overrides)
     return overrides
+
+
+def _check_not_set_by_parity(
+    where: str, overrides: list[str], allowed: frozenset[str] | set[str] = frozenset()
+) -> None:
+    """Refuse an override of what every side runs with (it would be silently replaced)."""
+    for item in overrides:
+        key = item.removeprefix("--").partition("=")[0]
+        if key in SET_BY_PARITY - allowed:
+            raise ParityError(
+                f"{where}: the parity check sets {key} itself (the same on both sides; --parity-steps sets the "
+                f"steps). Fix: leave {key} out of {where}."
+            )
 
 
 def plan_sides(args: argparse.Namespace, overrides: list[str], opts: LaunchOptions) -> tuple[Side, Side]:
@@ -129,6 +139,7 @@ def plan_sides(args: argparse.Namespace, overrides: list[str], opts: LaunchOptio
     opts.check()
     steps = args.parity_steps or DEFAULT_STEPS
     forced = parity_overrides(steps)
+    _check_not_set_by_parity("the common overrides (after --)", overrides, allowed=frozenset({"run.id", "run.out_dir"}))
     common = load_config(args.config, [*overrides, *forced], args.target)  # errors in the config or common overrides
     check_launch(common, opts)
     n = opts.nproc()

@@ -243,12 +243,14 @@ def _step_checks(
     tensors("weight", "weights")
     for group in groups:
         for c in group:
-            widest[c.what] = max(widest.get(c.what, 0.0), c.spread)
+            if math.isfinite(c.spread):  # B again overflowing where B did not measures nothing: the floor stands
+                widest[c.what] = max(widest.get(c.what, 0.0), c.spread)
 
     # One tolerance per kind of quantity: one for each quantity would be the ratio of two small random differences,
     # and some of thousands would come out above 3 by chance. Copies on two ranks must agree within the floor.
     def tolerated(c: Check) -> Check:
-        return c if c.checksum == "replicas" else replace(c, tolerance=max(SPREAD_FACTOR * widest[c.what], floor))
+        tolerance = max(SPREAD_FACTOR * widest.get(c.what, 0.0), floor)
+        return c if c.checksum == "replicas" else replace(c, tolerance=tolerance)
 
     return [max((tolerated(c) for c in group), key=_over_by) for group in groups]
 

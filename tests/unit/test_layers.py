@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"runtime", "checkpoint"},
     {"recipes"},
     {"train"},
-    {"job", "rundir", "launch", "reference"},
+    {"job", "rundir", "launch", "reference", "plan"},
     {"worker", "commands"},
     {"bench", "parity"},  # commands built on `run` (commands.launch_into)
     {"cli", "__main__"},

@@ -1,0 +1,1 @@
+"""`trainmesh plan`: memory and speed predicted before launch (memory.py so far)."""

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher import launch, typed_command
+from launcher import launch, timed_run_overrides, typed_command
 from trainmesh.config.schema import COMM_HOOKS
 from trainmesh.data.corpus import default_cache_dir
 from trainmesh.job import load_config, resolve
@@ -68,17 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run_setting(args: argparse.Namespace, bucket: float, hook: str, out: Path, name: str) -> dict[str, Any]:
     """Train one setting in the running process group; rank 0 returns its records after warm-up."""
     overrides = [
-        f"--model.size={args.size}",
-        f"--train.max_steps={args.steps}",
-        "--run.log_every=1",
-        "--train.eval_every=0",
-        "--train.eval_samples=16",
-        "--checkpoint.final=false",
-        "--sample.max_new_tokens=0",
-        "--run.progress=false",
-        f"--data.cache_dir={args.cache_dir}",
-        "--dist.device=cpu",
-        "--dist.backend=gloo",
+        *timed_run_overrides(args.size, args.steps, args.cache_dir),
         "--parallel.strategy=ddp",
         f"--parallel.ddp.bucket_cap_mb={bucket}",
         f"--parallel.ddp.comm_hook={hook}",

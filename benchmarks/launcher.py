@@ -37,3 +37,21 @@ def launch(script: str, argv: list[str], nproc: int) -> int:
 
 def typed_command() -> str:
     return os.environ.get(CMD_ENV, shlex.join([sys.executable, *sys.argv]))
+
+
+def timed_run_overrides(size: str, steps: int, cache_dir: str) -> list[str]:
+    """trainmesh config overrides for a timed CPU/gloo training: `steps` steps of GPT `size`, a record per step, no
+    evaluation, checkpoint, sample or progress bar in between."""
+    return [
+        f"--model.size={size}",
+        f"--train.max_steps={steps}",
+        "--run.log_every=1",
+        "--train.eval_every=0",
+        "--train.eval_samples=16",
+        "--checkpoint.final=false",
+        "--sample.max_new_tokens=0",
+        "--run.progress=false",
+        f"--data.cache_dir={cache_dir}",
+        "--dist.device=cpu",
+        "--dist.backend=gloo",
+    ]

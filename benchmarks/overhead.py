@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from launcher import launch, typed_command
+from launcher import launch, timed_run_overrides, typed_command
 from trainmesh.config import Config
 from trainmesh.core.batch import BatchPlan
 from trainmesh.data.corpus import default_cache_dir
@@ -192,17 +192,7 @@ def report(args: argparse.Namespace, plan: BatchPlan, tm: list[dict[str, Any]], 
 def rank_main(args: argparse.Namespace, extra: list[str]) -> int:
     torch.set_num_threads(1)
     overrides = [
-        f"--model.size={args.size}",
-        f"--train.max_steps={args.steps}",
-        "--run.log_every=1",
-        "--train.eval_every=0",
-        "--train.eval_samples=16",
-        "--checkpoint.final=false",
-        "--sample.max_new_tokens=0",
-        "--run.progress=false",
-        f"--data.cache_dir={args.cache_dir}",
-        "--dist.device=cpu",
-        "--dist.backend=gloo",
+        *timed_run_overrides(args.size, args.steps, args.cache_dir),
         *extra,
     ]
     base = load_config(args.config, overrides, "gpt")

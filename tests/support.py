@@ -193,3 +193,15 @@ def assert_config_recorded(run_dir: Path, since_step: int = 0) -> int:
 def _without_none(data: dict[str, Any]) -> dict[str, Any]:
     """As config.toml holds it: TOML has no null, so unset options are left out."""
     return {k: _without_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
+
+
+def refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """`trainmesh <argv>`, run in this process: exit code 2, no run folder written, no launch, no traceback; the
+    message on stderr."""
+    from trainmesh.cli import main
+
+    assert main(list(argv)) == 2
+    assert not (tmp_path / "runs").exists()
+    err = capsys.readouterr().err
+    assert "torchrun" not in err and "Traceback" not in err
+    return err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support import nano_toml
+from support import nano_toml, refused_before_writing
 from trainmesh.bench.command import point_options
 from trainmesh.bench.plan import Machine, choose_counts, plan_points, timing_overrides
 from trainmesh.bench.report import Measured, Row, add_scaling, markdown_table, measure
@@ -133,13 +133,7 @@ def test_on_several_nodes_each_point_has_a_rendezvous_of_its_own(tmp_path: Path)
 
 
 def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
-    """`trainmesh bench gpt` on the nano config with `flags`: exit code 2, nothing written; the message."""
-    config = str(nano_toml(tmp_path))
-    assert main(["bench", "gpt", "--config", config, *flags]) == 2
-    assert not (tmp_path / "runs").exists()
-    err = capsys.readouterr().err
-    assert "torchrun" not in err and "Traceback" not in err
-    return err
+    return refused_before_writing(tmp_path, capsys, "bench", "gpt", "--config", str(nano_toml(tmp_path)), *flags)
 
 
 @pytest.mark.parametrize(

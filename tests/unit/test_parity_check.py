@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from support import nano_toml
-from trainmesh.cli import main
+from support import nano_toml, refused_before_writing
 from trainmesh.parity.compare import SPREAD_FACTOR, ParityError, Record, compare, tolerance_floor
 from trainmesh.parity.report import report_text
 from trainmesh.train.parity import L2, SUM, WSUM, fingerprint, relative_difference
@@ -169,12 +168,7 @@ def test_runs_of_different_models_are_not_compared() -> None:
 
 
 def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
-    """`trainmesh check gpt --parity` on the nano config with `flags`: exit code 2, nothing written; the message."""
-    assert main(["check", "gpt", "--config", str(nano_toml(tmp_path)), *flags]) == 2
-    assert not (tmp_path / "runs").exists()
-    err = capsys.readouterr().err
-    assert "torchrun" not in err and "Traceback" not in err
-    return err
+    return refused_before_writing(tmp_path, capsys, "check", "gpt", "--config", str(nano_toml(tmp_path)), *flags)
 
 
 @pytest.mark.parametrize(

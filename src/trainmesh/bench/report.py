@@ -13,7 +13,6 @@ the two definitions of speedup agree for strong scaling.
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 from trainmesh.core.files import write_atomically
 from trainmesh.metrics.breakdown import PHASES
+from trainmesh.metrics.sinks import write_figure
 
 BENCH_JSON = "bench.json"
 BENCH_MD = "bench.md"
@@ -180,7 +180,4 @@ def plot_scaling(path: Path, rows: list[Row], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    plt.close(fig)
-    write_atomically(path, png.getvalue())
+    write_figure(fig, path)

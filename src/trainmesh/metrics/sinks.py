@@ -117,8 +117,15 @@ def plot_losses(metrics_path: Path, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    write_figure(fig, out)
+    return out
+
+
+def write_figure(fig: Any, path: Path) -> None:
+    """Save a matplotlib figure as PNG under a temporary name and rename it into place; close it."""
+    import matplotlib.pyplot as plt
+
     png = io.BytesIO()
     fig.savefig(png, format="png")
     plt.close(fig)
-    write_atomically(out, png.getvalue())
-    return out
+    write_atomically(path, png.getvalue())

@@ -1,10 +1,11 @@
-"""The `trainmesh` command: run, check, bench, env, ckpt.
+"""The `trainmesh` command: run, check, bench, plan, env, ckpt.
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
 trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
 trainmesh check gpt --config configs/gpt-tiny.toml --nproc-per-node 2 --parity   # 2 processes train like 1?
 trainmesh bench gpt --config configs/gpt-tiny.toml --nprocs 1,2 --mode both   # weak and strong scaling
+trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4   # every layout: memory, step time
 trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
@@ -120,6 +121,30 @@ def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     )
 
 
+def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """`trainmesh plan`'s own flags; checked by trainmesh.plan.command (messages that say how to fix)."""
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--cluster", default=d("h100"), help="a100 | h100 | h200 (8 GPUs a node) | this (calibrated)")
+    g.add_argument("--nodes", type=int, default=d(1), help="nodes (default 1)")
+    g.add_argument("--devices-per-node", type=int, default=d(None), help="devices a node (default: the cluster's)")
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        default=d(None),
+        help="sequences per optimizer step (default: the config's, else train.micro_batch on every rank)",
+    )
+    g.add_argument("--top", type=int, default=d(20), help="rows to print (default 20)")
+    g.add_argument("--json", default=d(None), help="also write every layout's figures here")
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        default=d(False),
+        help="measure this machine (compute, memory bandwidth, collectives) and save it for --cluster this",
+    )
+    g.add_argument("--calibration", default=d(None), help="the calibration file (default ~/.cache/trainmesh/...)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_flags(bench)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory per rank and step time for every layout of a job on a cluster, fastest first",
+        description="Every parallel layout trainmesh can run the job in (ddp, fsdp and its variants, CPU offload, "
+        "activation checkpointing, pipeline and tensor parallel), its memory per rank by component and its step "
+        "time, sorted; the fastest that fits as a trainmesh run command. Config overrides follow the recipe.",
+    )
+    plan.add_argument("target", nargs="?", default="gpt", help="recipe name (gpt)")
+    _add_recipe_flags(plan, resume=False)
+    _add_plan_flags(plan)
+    plan.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ckpt = sub.add_parser("ckpt", help="verify, describe, export or upgrade checkpoints (offline, one process)")
     ckpt.add_argument(
         "action",
@@ -188,12 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Flags may also follow the recipe name; the leftovers must be --section.key=value overrides."""
     tail = argparse.ArgumentParser(prog=f"{parser.prog} {args.command}", add_help=False)
-    _add_launch_flags(tail, defaults=False)
-    _add_recipe_flags(tail, defaults=False, resume=args.command != "bench")
+    _add_recipe_flags(tail, defaults=False, resume=args.command not in ("bench", "plan"))
     if args.command == "bench":
         _add_bench_flags(tail, defaults=False)
     if args.command == "check":
         _add_parity_flags(tail, defaults=False)
+    if args.command == "plan":
+        _add_plan_flags(tail, defaults=False)
+    else:
+        _add_launch_flags(tail, defaults=False)
     tokens = list(args.rest)
     _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
     overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
@@ -231,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
 
             args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for bench.json
             return cmd_bench(args, overrides)
+        if args.command == "plan":
+            from trainmesh.plan.command import cmd_plan
+
+            return cmd_plan(args, overrides)
         if args.command == "check":
             from trainmesh.parity.command import check_parity_flags, cmd_parity
 

@@ -136,9 +136,12 @@ def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = launch_options(args)
+    from trainmesh.plan.check import memory_lines
+
     for job in resolve_all(load_config(args.config, overrides, args.target), opts):
         strategy, dims = job.layout
         print(f"world size {job.world_size}: OK — {strategy} on {dims.describe()}; {job.batch.describe()}")
+        print("\n".join(memory_lines(job, opts.nproc())))
     return 0
 
 

@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"runtime", "checkpoint"},
     {"recipes"},
     {"train"},
-    {"job", "rundir", "launch", "reference", "plan"},
+    {"job", "rundir", "launch", "reference"},
+    {"plan"},  # predictions for a resolved job: `trainmesh plan` and the memory line of `trainmesh check`
     {"worker", "commands"},
     {"bench", "parity"},  # commands built on `run` (commands.launch_into)
     {"cli", "__main__"},

@@ -1,0 +1,216 @@
+"""`trainmesh plan --calibrate`: measure this machine and save what the plan needs to know about it.
+
+Three measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
+reproduces them:
+
+- compute: the configured GPT (its shape, micro-batch and precision), one process, forward + backward timed
+  over a few steps after warm-up; achievable FLOP/s = the step's FLOPs (model.py's count) / the median time.
+- memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
+  32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
+- collectives (CPU: two gloo processes on this machine): all-reduce, all-gather, reduce-scatter and a
+  send/receive at sizes from 1 KiB to 16 MiB; for each, latency and bandwidth fitted by least squares to the
+  link model of cluster.py. On a GPU machine with one device there is no peer: the links stay the preset's.
+
+On a CPU every process is one "device" running one thread; a node has as many as there are cores, and each gets
+an equal share of the memory. Communication does not hide behind compute (overlap 0): gloo and the model share
+the cores. What a process holds before the model (torch, the process group) is measured as its resident size.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.config import Config
+from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, save_calibration
+from trainmesh.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, Precision
+from trainmesh.plan.model import ModelSpec
+from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
+from trainmesh.testing import run_distributed
+from trainmesh.train.optim import build_optimizer
+
+log = logging.getLogger("trainmesh")
+SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
+WARMUP, STEPS = 2, 5
+
+
+def calibrate(config: Config, path: Path) -> Cluster:
+    """Measure this machine with `config`'s model, save the result at `path` and return it."""
+    model = config.model
+    if not isinstance(model, GPTConfig):
+        raise ValueError("plan --calibrate times the gpt recipe's model; run it with the gpt recipe")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info("calibrating on %s with GPT %s, micro-batch %d ...", device, model.size, config.train.micro_batch)
+    compute = run_distributed(_time_model, 1, (config,), timeout_s=900)[0]
+    links = _measure_links() if device == "cpu" else None
+    cluster = _cluster(config, device, compute, links)
+    save_calibration(cluster, path)
+    log.info(
+        "calibration saved to %s: %.3g GFLOP/s, %.3g GB/s memory, all-reduce %.3g GB/s",
+        path,
+        cluster.peak_flops["fp32"] / 1e9,
+        cluster.mem_bandwidth / 1e9,
+        cluster.intra.costs["all_reduce"].bandwidth / 1e9,
+    )
+    return cluster
+
+
+def _cluster(config: Config, device: str, compute: dict[str, float], links: Link | None) -> Cluster:
+    spec = ModelSpec(config.model)  # type: ignore[arg-type]
+    tokens = config.train.micro_batch * spec.seq
+    flops = spec.train_flops_per_token() * tokens / compute["forward_backward_s"]
+    bandwidth = spec.n_params * OPTIMIZER_BYTES_PER_PARAM / compute["optimizer_s"]
+    dtype = Precision(config.train.precision).compute_dtype(config.train.tf32 and device == "cuda")
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    source = f"{os.uname().nodename}, {when}, GPT {spec.n_params / 1e6:.1f}M in {config.train.precision}"
+    if device == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        preset = next((p for key, p in PRESETS.items() if key in name), PRESETS["h100"])
+        return replace(
+            preset,
+            name=f"this ({torch.cuda.get_device_name()})",
+            memory=float(torch.cuda.get_device_properties(0).total_memory),
+            peak_flops={**preset.peak_flops, dtype: flops},
+            efficiency=1.0 if dtype in preset.peak_flops else preset.efficiency,
+            mem_bandwidth=bandwidth,
+            calibrated=source,
+            notes=(f"calibrated {dtype} only; links are the {preset.name} preset's (one device: no peer to time)",),
+        )
+    assert links is not None
+    cores = os.cpu_count() or 1
+    return Cluster(
+        name="this (CPU)",
+        device="cpu",
+        memory=_total_memory() / cores,
+        devices_per_node=cores,
+        nodes=1,
+        peak_flops=dict.fromkeys(("bf16", "tf32", "fp32"), flops),
+        efficiency=1.0,
+        mem_bandwidth=bandwidth,
+        intra=links,
+        inter=links,
+        host=Cost(float("inf"), 0.0),
+        host_bandwidth=bandwidth,
+        overhead=compute["rss_before_model"],
+        overlap=0.0,
+        calibrated=source,
+        notes=(
+            f"CPU: one process per core, one thread each; FLOP/s measured in {config.train.precision} only",
+            "CPU: collectives measured between two gloo processes; communication does not overlap compute",
+        ),
+    )
+
+
+def _total_memory() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return float(line.split()[1]) * 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
+def _resident() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return float(line.split()[1]) * 1024
+    return 0.0
+
+
+def _time_model(rank: int, config: Config) -> dict[str, float]:
+    """Median forward + backward and optimizer-step seconds of `config`'s GPT on this device (one process)."""
+    del rank
+    dist.init_process_group("gloo")
+    rss = _resident()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = config.model
+    assert isinstance(cfg, GPTConfig)
+    model = GPT(cfg).to(device)
+    optimizer = build_optimizer(model, config.optim, device)
+    precision = config.train.precision
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    batch = torch.randint(cfg.vocab_size, (config.train.micro_batch, cfg.block_size + 1), device=device)
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    fb, opt = [], []
+    for step in range(WARMUP + STEPS):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = summed_lm_loss(model(inputs), targets)
+        loss.backward()
+        _sync(device)
+        middle = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in training
+        _sync(device)
+        if step >= WARMUP:
+            fb.append(middle - start)
+            opt.append(time.perf_counter() - middle)
+    return {"forward_backward_s": statistics.median(fb), "optimizer_s": statistics.median(opt), "rss_before_model": rss}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure_links() -> Link:
+    times: list[dict[str, list[float]]] = run_distributed(_time_collectives, 2, (SIZES,), timeout_s=300)
+    slowest = {kind: [max(r[kind][i] for r in times) for i in range(len(SIZES))] for kind in COLLECTIVES}
+    return Link({kind: _fit(kind, slowest[kind]) for kind in COLLECTIVES})
+
+
+def _fit(kind: str, seconds: list[float]) -> Cost:
+    """Latency and bandwidth of cluster.Link's model at two ranks (one hop; all-reduce counts two), fitted to
+    t = latency·hops + share·bytes/bandwidth by least squares on the relative error (small messages, where
+    latency shows, weigh as much as large ones)."""
+    share, hops = {"all_reduce": (1.0, 2), "p2p": (1.0, 1)}.get(kind, (0.5, 1))
+    xs = [share * size for size in SIZES]
+    weights = [1 / t**2 for t in seconds]
+    sw = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs, strict=True)) / sw
+    mean_t = sum(w * t for w, t in zip(weights, seconds, strict=True)) / sw
+    covariance = sum(w * (x - mean_x) * (t - mean_t) for w, x, t in zip(weights, xs, seconds, strict=True))
+    variance = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs, strict=True))
+    slope = max(covariance / variance, 1e-15)
+    latency = max(0.0, (mean_t - slope * mean_x) / hops)
+    return Cost(bandwidth=1 / slope, latency=latency)
+
+
+def _time_collectives(rank: int, sizes: list[int]) -> dict[str, list[float]]:
+    """Median seconds of each collective at each size (bytes of fp32), on this rank."""
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    out: dict[str, list[float]] = {kind: [] for kind in COLLECTIVES}
+    for size in sizes:
+        ops = _collectives(rank, torch.ones(size // 4), torch.ones(size // 4 // world))
+        for kind, op in ops.items():
+            samples = []
+            for i in range(WARMUP + STEPS):
+                dist.barrier()
+                start = time.perf_counter()
+                op()
+                if i >= WARMUP:
+                    samples.append(time.perf_counter() - start)
+            out[kind].append(statistics.median(samples))
+    return out
+
+
+def _collectives(rank: int, full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "p2p": lambda: dist.send(full, 1) if rank == 0 else dist.recv(full, 0),
+    }

@@ -1,0 +1,182 @@
+"""The machines a plan is made for: built-in presets (A100, H100, H200 nodes) and this machine, calibrated.
+
+A `Cluster` is what the time and memory model need to know about the hardware: per device its memory, its
+achievable FLOP/s for the run's precision and its memory bandwidth (the optimizer step is bandwidth-bound);
+per link (inside a node, between nodes, host↔device for CPU offload) the cost of each collective as
+latency + bytes / bandwidth; how much communication hides behind compute (`overlap`); and the memory every
+process spends before the model (CUDA context, NCCL and cuBLAS workspaces).
+
+Preset figures are vendors' dense peaks and typical NCCL bus bandwidths (sources in docs/plan.md); the
+achievable fraction of peak (`efficiency`) is an assumption until `trainmesh plan --calibrate` measures the
+machine at hand. A calibration is saved as JSON (`calibration_path`) and reused by `--cluster this`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from trainmesh.core.files import write_atomically
+
+GB, GiB = 1e9, 2**30
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Time of one collective step: `latency` seconds per hop + bytes moved / `bandwidth` (bytes/s)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Link:
+    """The cost of each collective on one kind of link (all alike for a preset; measured apart by calibration)."""
+
+    costs: dict[str, Cost]
+
+    @classmethod
+    def uniform(cls, bandwidth: float, latency: float) -> Link:
+        return cls({kind: Cost(bandwidth, latency) for kind in COLLECTIVES})
+
+    def time(self, kind: str, nbytes: float, ranks: int) -> float:
+        """Seconds for `kind` over `ranks` ranks; `nbytes` is the full (unsharded) buffer. Ring bandwidth terms
+        (all-reduce moves 2(n−1)/n of the buffer per rank, all-gather and reduce-scatter (n−1)/n, p2p all of
+        it); latency grows with log2 n, as NCCL's tree and NVLS algorithms do at scale."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        cost = self.costs[kind]
+        share = {"all_reduce": 2 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind, (ranks - 1) / ranks)
+        hops = 1 if kind == "p2p" else max(1, (ranks - 1).bit_length())
+        return share * nbytes / cost.bandwidth + (2 if kind == "all_reduce" else 1) * hops * cost.latency
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: str
+    """'cuda' or 'cpu'."""
+    memory: float
+    """Bytes per device (per process on a CPU: the node's memory over its processes)."""
+    devices_per_node: int
+    nodes: int
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per compute dtype: 'bf16' (also fp16), 'tf32', 'fp32'."""
+    efficiency: float
+    """Fraction of the peak the model's step achieves (an assumption until calibrated)."""
+    mem_bandwidth: float
+    """Bytes/s the optimizer step streams through (device memory; host memory with CPU offload)."""
+    intra: Link
+    inter: Link
+    host: Cost
+    """Host↔device copies (CPU offload); a CPU has none to make."""
+    host_bandwidth: float
+    """Bytes/s the optimizer streams through host memory when it steps on the CPU (CPU offload)."""
+    overhead: float
+    """Bytes every process holds before the model (CUDA context, NCCL and cuBLAS workspaces)."""
+    overlap: float
+    """Fraction of the compute that communication may hide behind (0: none, as on CPU cores that do both)."""
+    calibrated: str = ""
+    """Where the figures were measured (a calibration file), or '' for a preset's assumptions."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int, devices_per_node: int | None = None) -> Cluster:
+        return replace(self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+    def flops(self, compute_dtype: str) -> float:
+        """Achievable FLOP/s for `compute_dtype` ('bf16', 'tf32', 'fp32')."""
+        return self.peak_flops[compute_dtype] * self.efficiency
+
+    def link(self, group_size: int, stride: int) -> Link:
+        """The link a group of `group_size` ranks `stride` apart in the rank order crosses: between nodes
+        when it spans more than one node's devices, else inside one."""
+        return self.inter if group_size * stride > self.devices_per_node else self.intra
+
+
+def _gpu(
+    name: str, memory: float, bf16: float, tf32: float, fp32: float, hbm: float, nvlink: float, ib: float
+) -> Cluster:
+    return Cluster(
+        name=name,
+        device="cuda",
+        memory=memory,
+        devices_per_node=8,
+        nodes=1,
+        peak_flops={"bf16": bf16, "tf32": tf32, "fp32": fp32},
+        efficiency=0.45,
+        mem_bandwidth=hbm,
+        intra=Link.uniform(nvlink, 8e-6),
+        inter=Link.uniform(ib, 15e-6),
+        host=Cost(25 * GB, 10e-6),  # PCIe gen4/5 x16 as achieved by pinned copies
+        host_bandwidth=100 * GB,  # a two-socket server's DDR, as a CPU AdamW streams it
+        overhead=1.0 * GiB,
+        overlap=0.9,
+    )
+
+
+# Dense peaks (NVIDIA datasheets, SXM parts); NVLink as the all-reduce bus bandwidth nccl-tests reach on a DGX;
+# InfiniBand one 200 (A100) or 400 Gb/s (H100, H200) NIC per GPU.
+PRESETS: dict[str, Cluster] = {
+    "a100": _gpu("a100", 80 * GiB, 312e12, 156e12, 19.5e12, 2.04e12, 230 * GB, 23 * GB),
+    "h100": _gpu("h100", 80 * GiB, 989e12, 494e12, 67e12, 3.35e12, 450 * GB, 45 * GB),
+    "h200": _gpu("h200", 141 * GB, 989e12, 494e12, 67e12, 4.8e12, 450 * GB, 45 * GB),
+}
+CLUSTERS = (*PRESETS, "this")
+
+
+def calibration_path() -> Path:
+    """Where `plan --calibrate` saves this machine's figures (TRAINMESH_CALIBRATION overrides it)."""
+    if os.environ.get("TRAINMESH_CALIBRATION"):
+        return Path(os.environ["TRAINMESH_CALIBRATION"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trainmesh" / "plan-calibration.json"
+
+
+def save_calibration(cluster: Cluster, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps(asdict(cluster), indent=2) + "\n")
+
+
+def load_calibration(path: Path) -> Cluster:
+    """The cluster a calibration file describes (ValueError saying how to make one when it is missing or bad)."""
+    if not path.is_file():
+        raise ValueError(
+            f"--cluster this needs a calibration of this machine, and {path} does not exist. "
+            "Fix: run `trainmesh plan --calibrate` first (or name a preset: --cluster h100)."
+        )
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        data["intra"] = _link(data["intra"])
+        data["inter"] = _link(data["inter"])
+        data["host"] = Cost(**data["host"])
+        data["notes"] = tuple(data.get("notes", ()))
+        return Cluster(**data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a calibration trainmesh can read ({e}). Fix: `trainmesh plan --calibrate`."
+        ) from None
+
+
+def _link(data: dict[str, Any]) -> Link:
+    return Link({kind: Cost(**cost) for kind, cost in data["costs"].items()})
+
+
+def get_cluster(name: str, nodes: int, devices_per_node: int | None, calibration: Path | None = None) -> Cluster:
+    """A preset (`a100`, `h100`, `h200`) or `this` (the saved calibration) for `nodes` nodes."""
+    if name == "this":
+        cluster = load_calibration(calibration or calibration_path())
+    elif name in PRESETS:
+        cluster = PRESETS[name]
+    else:
+        raise ValueError(f"--cluster={name!r} is not one of {', '.join(CLUSTERS)}")
+    if nodes < 1 or (devices_per_node is not None and devices_per_node < 1):
+        raise ValueError(f"--nodes={nodes} and --devices-per-node={devices_per_node} must be at least 1")
+    return cluster.with_nodes(nodes, devices_per_node)

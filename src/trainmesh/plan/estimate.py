@@ -1,0 +1,263 @@
+"""One layout on one cluster: memory per rank by component, and the time of a step by phase.
+
+Memory is predicted for every pipeline stage (stages hold different parts of the model and different numbers of
+micro-batches in flight) and the most loaded one is what must fit. Components:
+
+    params, grads, optimizer   this rank's (tensor-parallel, FSDP-sharded) part of each parameter (model.py);
+                               AdamW keeps two moments like the parameter and a 4-byte step per tensor. FSDP
+                               accumulating gradients (no_sync) keeps them unsharded until the last micro-step.
+                               CPU offload moves all three to host memory.
+    activations                what autograd saves for backward (memory.py's formula, held to the byte on the
+                               real model) × the micro-batch pieces a pipeline stage holds at once: GPipe all m,
+                               1F1B p − i on stage i, interleaved schedules per Narayanan et al. (1 + (p−1)/(p·v)).
+    gathered                   FSDP grad-op keeps every unit's gathered parameters from forward to backward.
+    temporaries                peaks inside the step: FSDP's gathered unit and its prefetched neighbour with the
+                               unit's unsharded gradients, the recomputed block of activation checkpointing, the
+                               gradient of the logits, pipeline send/receive buffers.
+    overhead                   what every process holds before the model (the cluster's: CUDA context etc.).
+
+Step time, for the most loaded stage, per optimizer step:
+
+    compute      FLOPs (model.py; + one more forward of checkpointed blocks) / the cluster's achievable FLOP/s,
+                 stretched by the pipeline bubble: (m + p − 1) pieces' time for GPipe and 1F1B, (m + (p − 1)/v)
+                 for interleaved schedules with v stages per rank
+    exposed comm the collectives of the layout (DDP's gradient all-reduce; FSDP's all-gathers and reduce-scatter,
+                 and hybrid's all-reduce across replicas; tensor parallel's two all-reduces per block each way;
+                 pipeline sends), each costed on the link its group crosses (cluster.py), minus what hides behind
+                 compute (cluster.overlap × the compute it can overlap; tensor-parallel and pipeline traffic is on
+                 the critical path and never hidden)
+    optimizer    AdamW and gradient clipping stream 32 bytes per fp32 parameter through memory
+    offload      host↔device copies of the shards with CPU offload
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainmesh.plan.cluster import Cluster
+from trainmesh.plan.layouts import Candidate
+from trainmesh.plan.memory import gpt_activations
+from trainmesh.plan.model import ModelSpec, Param
+from trainmesh.strategies import SCHEDULES
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries", "overhead")
+TIME_PARTS = ("compute", "bubble", "comm", "optimizer", "offload")
+OPTIMIZER_BYTES_PER_PARAM = 32  # fp32 AdamW: read p, g, m, v; write p, m, v (28); clipping reads g (4)
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor under train.precision."""
+
+    name: str
+
+    @property
+    def weight(self) -> int:
+        return 2 if self.name == "bf16-true" else 4
+
+    @property
+    def activation(self) -> int:
+        return 4 if self.name == "32-true" else 2
+
+    @property
+    def gather(self) -> int:
+        """FSDP all-gathers parameters in the compute dtype (bf16 under the mixed precisions)."""
+        return self.activation
+
+    def compute_dtype(self, tf32: bool) -> str:
+        if self.name != "32-true":
+            return "bf16"
+        return "tf32" if tf32 else "fp32"
+
+
+@dataclass
+class Estimate:
+    candidate: Candidate
+    memory: dict[str, float]
+    """Bytes on the most loaded rank, by MEMORY_PARTS (device memory; offloaded state is in `host`)."""
+    host: float
+    """Bytes the most loaded rank keeps in host memory (CPU offload)."""
+    stage: int
+    """The pipeline stage of the most loaded rank."""
+    time: dict[str, float]
+    """Seconds per optimizer step, by TIME_PARTS."""
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time.values())
+
+
+def _bytes(params: list[Param], tp: int, shard: int, per_element: int) -> float:
+    return float(sum(p.local_numel(tp, shard) for p in params) * per_element)
+
+
+def pieces_in_flight(cand: Candidate, stage: int) -> float:
+    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule."""
+    m, p = cand.microbatches, cand.pp
+    if p == 1:
+        return 1
+    _, per_rank, _ = SCHEDULES[cand.schedule]
+    if cand.schedule == "gpipe":
+        return m
+    if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
+        return min(m, p - stage)
+    return min(m, p * (1 + (p - 1) / (p * per_rank)))
+
+
+def memory(spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Cluster, accum: int) -> Estimate:
+    """Memory of the most loaded rank (the stage whose total is largest); time is filled by `step_time`."""
+    best: Estimate | None = None
+    for stage in range(cand.pp):
+        parts, host = _stage_memory(spec, cand, precision, cluster, accum, stage)
+        est = Estimate(cand, parts, host, stage, {}, fits=True)
+        if best is None or est.total_memory > best.total_memory:
+            best = est
+    assert best is not None
+    best.fits = best.total_memory <= cluster.memory
+    return best
+
+
+def _stage_memory(
+    spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Cluster, accum: int, stage: int
+) -> tuple[dict[str, float], float]:
+    held = spec.stage_params(stage, cand.pp)
+    fsdp = cand.strategy == "fsdp"
+    shard = cand.dp_shard if fsdp else 1
+    params = _bytes(held, cand.tp, shard, precision.weight)
+    # FSDP accumulating without synchronisation keeps the unsharded gradients until the last micro-step
+    grads = _bytes(held, cand.tp, 1 if fsdp and accum > 1 else shard, precision.weight)
+    optimizer = 2 * params + 4 * len(held)
+    host = 0.0
+    if cand.kind == "fsdp-offload":
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+
+    piece = cand.micro_batch // cand.microbatches
+    act = gpt_activations(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab, spec.seq, piece)
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
+    block_input = spec.seq * piece * spec.n_embd * precision.activation
+    per_piece = (blocks - checkpointed) * act.per_block + checkpointed * block_input
+    last, first = stage == cand.pp - 1, stage == 0
+    per_piece += act.outside if last else 0
+    activations = per_piece * pieces_in_flight(cand, stage)
+
+    unsharded_block = max(
+        (
+            _bytes([p for p in held if p.block == b], cand.tp, 1, 1)
+            for b in {p.block for p in held if p.block is not None}
+        ),
+        default=0.0,
+    )
+    gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" else 0.0
+    temporaries = 0.0
+    if fsdp and cand.kind != "fsdp-grad-op":  # the unit computing and the one prefetched, and its gradients
+        temporaries += unsharded_block * (2 * precision.gather + 4)
+    if checkpointed:
+        temporaries += act.per_block
+    if last:  # the logits' gradient, alive at the start of backward
+        temporaries += 4.0 * spec.seq * piece * spec.vocab
+    if cand.pp > 1:
+        temporaries += 2.0 * block_input * (2 if not first and not last else 1)
+    parts = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": float(activations),
+        "gathered": gathered,
+        "temporaries": temporaries,
+        "overhead": cluster.overhead,
+    }
+    return parts, host
+
+
+def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Cluster, accum: int, tf32: bool) -> None:
+    """Fill `est.time`: seconds per optimizer step by TIME_PARTS, for the slowest pipeline stage."""
+    cand = est.candidate
+    flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda"))
+    piece = cand.micro_batch // cand.microbatches
+    tokens = piece * spec.seq
+    act_bytes = tokens * spec.n_embd * precision.activation
+    tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
+
+    def slot(stage: int) -> tuple[float, float, float]:
+        """(compute seconds, tensor-parallel and pipeline communication seconds, backward compute) per piece."""
+        blocks = spec.blocks_of_stage(stage, cand.pp)
+        checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
+        last, first = stage == cand.pp - 1, stage == 0
+        forward = blocks * spec.matmul_flops_per_token(side="block") + (
+            spec.matmul_flops_per_token(side="head") if last else 0
+        )
+        recompute = checkpointed * spec.matmul_flops_per_token(side="block")
+        compute = tokens * (3 * forward + recompute) / cand.tp / flops
+        backward = tokens * (2 * forward + recompute) / cand.tp / flops
+        comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
+        if first:
+            comm += tp_link.time("all_reduce", act_bytes, cand.tp)
+        if last:
+            logits = tokens * spec.vocab * precision.activation
+            comm += tp_link.time("all_gather", logits, cand.tp) + tp_link.time("all_reduce", act_bytes, cand.tp)
+        sends = (not first) + (not last)  # receive activations / send them on; the same for gradients back
+        comm += 2 * sends * pp_link.time("p2p", act_bytes, 2)
+        return compute, comm, backward
+
+    slots = [slot(stage) for stage in range(cand.pp)]
+    compute, comm, backward = max(slots, key=lambda s: s[0] + s[1])
+    per_rank = SCHEDULES[cand.schedule][1]
+    bubble_slots = 0.0 if cand.pp == 1 else (cand.pp - 1) / (1 if cand.schedule in ("gpipe", "1f1b") else per_rank)
+    m = cand.microbatches
+    time = {
+        "compute": accum * m * compute,
+        "bubble": accum * bubble_slots * (compute + comm),
+        "comm": accum * m * comm + _data_parallel_comm(spec, est, precision, cluster, accum, m * compute, m * backward),
+        "optimizer": 0.0,
+        "offload": 0.0,
+    }
+    held = spec.stage_params(est.stage, cand.pp)
+    shard = cand.dp_shard if cand.strategy == "fsdp" else 1
+    local = sum(p.local_numel(cand.tp, shard) for p in held)
+    optimizer_bytes = local * OPTIMIZER_BYTES_PER_PARAM * precision.weight / 4
+    if cand.kind == "fsdp-offload":
+        time["optimizer"] = optimizer_bytes / cluster.host_bandwidth
+        copies = accum * 2 * local * precision.gather + local * 4  # shards up for each gather, gradients down
+        time["offload"] = copies / cluster.host.bandwidth
+    else:
+        time["optimizer"] = optimizer_bytes / cluster.mem_bandwidth
+    est.time = time
+
+
+def _data_parallel_comm(
+    spec: ModelSpec, est: Estimate, precision: Precision, cluster: Cluster, accum: int, micro: float, backward: float
+) -> float:
+    """Exposed seconds of the data-parallel collectives per step; `micro`/`backward`: compute of one micro-step
+    and of its backward, which communication may hide behind."""
+    cand = est.candidate
+    if cand.dp == 1:
+        return 0.0
+    held = spec.stage_params(est.stage, cand.pp)
+    unsharded = _bytes(held, cand.tp, 1, 1)  # elements of this stage's (tensor-parallel) parameters
+    hide = cluster.overlap
+    if cand.strategy == "ddp":
+        link = cluster.link(cand.dp_replicate, cand.tp)
+        total = link.time("all_reduce", 4 * unsharded, cand.dp_replicate)
+        last_bucket = total * min(1.0, DDP_BUCKET_BYTES / (4 * unsharded))
+        return max(last_bucket, total - hide * backward)
+    units = spec.blocks_of_stage(est.stage, cand.pp) + 1
+    shard_link = cluster.link(cand.dp_shard, cand.tp)
+    gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard)
+    regather = gather if cand.kind != "fsdp-grad-op" else 0.0
+    reduce = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard)
+    if cand.dp_replicate > 1:
+        replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
+        reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate)
+    forward = micro - backward
+    per_micro = max(gather / units, gather - hide * forward) + max(regather / units, regather - hide * backward)
+    last = max(reduce / units, reduce - hide * backward)  # gradients reduce once, in the last micro-step
+    return accum * per_micro + last

@@ -1,0 +1,135 @@
+"""The model as `trainmesh plan` sees it: every parameter's shape, where the layout puts it, and the FLOPs of a step.
+
+The parameters are read from the real GPT built on the meta device (no storage, no time), so the counts are
+the model's own, biases and LayerNorms included. For each one the table notes
+
+- its pipeline stage: stage i of p holds the embeddings if i = 0, blocks [i·L/p, (i+1)·L/p) and the final
+  norm and head if i = p−1 (recipes/gpt/parallel.py); the tied embedding/head matrix is held by the first
+  and the last stage, as one tensor when they are the same rank and as two copies otherwise;
+- the dimension tensor parallelism cuts (the recipe's plan: column-parallel q/k/v and MLP input, weight and
+  bias by output rows; row-parallel projections, weight by input columns, bias whole; the vocabulary-
+  parallel embedding and head by vocabulary rows; LayerNorms and position embeddings whole).
+
+FSDP then cuts each (tensor-parallel local) tensor by its first dimension over the shard group, as
+`torch.chunk` does: the first ranks hold ⌈d/n⌉ rows, which is what the most loaded rank holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from trainmesh.recipes.gpt.model import GPT, GPTConfig
+
+EMBED, HEAD = "embed", "head"
+# parameter name suffix -> the dimension tensor parallelism cuts (None: kept whole on every rank)
+_TP_DIM = {
+    "attn.qkv.weight": 0,
+    "attn.qkv.bias": 0,
+    "attn.proj.weight": 1,
+    "mlp.fc.weight": 0,
+    "mlp.fc.bias": 0,
+    "mlp.proj.weight": 1,
+    "wte.weight": 0,
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    block: int | None
+    """The block index, or None for the embeddings (EMBED side) and the final norm / head (HEAD side)."""
+    side: str
+    """EMBED, HEAD or 'block'."""
+    tp_dim: int | None
+
+    def local_numel(self, tp: int, shard: int) -> int:
+        """Elements on the most loaded rank after tensor parallelism over `tp` and FSDP over `shard` ranks."""
+        shape = list(self.shape)
+        if self.tp_dim is not None and tp > 1:
+            shape[self.tp_dim] //= tp
+        if shard > 1:
+            shape[0] = math.ceil(shape[0] / shard)
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT's shape and its parameter table."""
+
+    cfg: GPTConfig
+
+    @property
+    def n_layer(self) -> int:
+        return self.cfg.n_layer
+
+    @property
+    def n_head(self) -> int:
+        return self.cfg.n_head
+
+    @property
+    def n_embd(self) -> int:
+        return self.cfg.n_embd
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def seq(self) -> int:
+        return self.cfg.block_size
+
+    @cached_property
+    def params(self) -> tuple[Param, ...]:
+        with torch.device("meta"):
+            model = GPT(self.cfg)
+        table = []
+        for name, p in model.named_parameters():  # the tied head weight once, as wte.weight
+            parts = name.split(".")
+            block = int(parts[1]) if parts[0] == "blocks" else None
+            side = "block" if block is not None else (EMBED if parts[0] in ("wte", "wpe") else HEAD)
+            tp_dim = next((d for suffix, d in _TP_DIM.items() if name.endswith(suffix)), None)
+            table.append(Param(name, tuple(p.shape), block, side, tp_dim))
+        return tuple(table)
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+    def stage_of_block(self, block: int, pp: int) -> int:
+        return next(i for i in range(pp) if i * self.n_layer // pp <= block < (i + 1) * self.n_layer // pp)
+
+    def stage_params(self, stage: int, pp: int) -> list[Param]:
+        """The parameters pipeline stage `stage` of `pp` holds (all of them when pp = 1)."""
+        held = []
+        for p in self.params:
+            if p.side == "block":
+                assert p.block is not None
+                if self.stage_of_block(p.block, pp) == stage:
+                    held.append(p)
+            elif (
+                (p.side == EMBED and stage == 0)
+                or (p.side == HEAD and stage == pp - 1)
+                or (p.name == "wte.weight" and stage == pp - 1)  # the head's copy of the tied matrix
+            ):
+                held.append(p)
+        return held
+
+    def blocks_of_stage(self, stage: int, pp: int) -> int:
+        return (stage + 1) * self.n_layer // pp - stage * self.n_layer // pp
+
+    def matmul_flops_per_token(self, *, side: str) -> float:
+        """Forward FLOPs per token of the matrix products of one block (side 'block', attention's two
+        products over the full, non-causal, sequence as Megatron and nanoGPT count them) or of the head."""
+        h, s, v = self.n_embd, self.seq, self.vocab
+        if side == "block":
+            return 2 * 12 * h * h + 2 * 2 * s * h
+        return 2 * h * v
+
+    def train_flops_per_token(self) -> float:
+        """Forward + backward (3× forward) FLOPs per token: 72·L·h²(1 + s/(6h)) + 6hV, Megatron's formula."""
+        return 3 * (self.n_layer * self.matmul_flops_per_token(side="block") + self.matmul_flops_per_token(side=HEAD))

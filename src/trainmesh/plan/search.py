@@ -1,0 +1,76 @@
+"""Every layout of a job on a cluster, estimated and sorted: what `trainmesh plan` prints.
+
+For each layout (layouts.py) the largest micro-batch that fits the device memory is taken (larger micro-batches
+need fewer accumulation steps and fewer pipeline bubbles); a layout with none that fits is kept, flagged, with
+its smallest micro-batch, so the table says how far it is from fitting. Layouts trainmesh refuses for this
+model (heads or vocabulary not divisible by the tensor-parallel degree, more stages than blocks, ...) are left
+out, checked by the same `resolve` that `trainmesh run` calls.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from trainmesh.config import Config
+from trainmesh.plan.cluster import Cluster
+from trainmesh.plan.estimate import Estimate, Precision, memory, step_time
+from trainmesh.plan.layouts import Candidate, candidates
+from trainmesh.plan.model import ModelSpec
+from trainmesh.recipes.gpt.model import GPTConfig
+
+MICRO_BATCHES = [2**k for k in range(10, -1, -1)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is planned: the model, its precision and the global batch in sequences."""
+
+    spec: ModelSpec
+    precision: Precision
+    global_batch: int
+    tf32: bool
+
+    @classmethod
+    def from_config(cls, config: Config, global_batch: int) -> Workload:
+        model = config.model
+        if not isinstance(model, GPTConfig):
+            raise ValueError(
+                f"trainmesh plan models transformers: run.recipe={config.run.recipe!r} is not supported. "
+                "Fix: plan the gpt recipe (its shape flags: --model.size, --model.n_layer, ...)."
+            )
+        return cls(ModelSpec(model), Precision(config.train.precision), global_batch, config.train.tf32)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.spec.seq
+
+
+def estimate(job: Workload, cand: Candidate, cluster: Cluster) -> Estimate:
+    accum = job.global_batch // (cand.dp * cand.micro_batch)
+    est = memory(job.spec, cand, job.precision, cluster, accum)
+    step_time(job.spec, est, job.precision, cluster, accum, job.tf32)
+    return est
+
+
+def plan_layouts(config: Config, job: Workload, cluster: Cluster) -> list[Estimate]:
+    """The best micro-batch of every layout trainmesh accepts, fastest first; those that fit before the others."""
+    groups: dict[tuple[object, ...], list[Candidate]] = defaultdict(list)
+    micro = sorted({*MICRO_BATCHES, config.train.micro_batch}, reverse=True)
+    for cand in candidates(
+        config, cluster.world_size, cluster.devices_per_node, cluster.nodes, job.global_batch, micro
+    ):
+        groups[(cand.kind, cand.pp, cand.tp, cand.dp_replicate, cand.dp_shard, cand.checkpoint_every)].append(cand)
+    chosen: list[Estimate] = []
+    for group in groups.values():
+        estimates = [estimate(job, cand, cluster) for cand in group]  # largest micro-batch first
+        best = next((e for e in estimates if e.fits), estimates[-1])
+        if best.candidate.job(config, job.global_batch, cluster.world_size) is not None:
+            chosen.append(best)
+    return sorted(chosen, key=lambda e: (not e.fits, e.step_time))
+
+
+def mfu(job: Workload, est: Estimate, cluster: Cluster) -> float:
+    """Model FLOPs (Megatron's count, no recomputation) per second over the cluster's peak for the precision."""
+    peak = cluster.peak_flops[job.precision.compute_dtype(job.tf32 and cluster.device == "cuda")]
+    return job.spec.train_flops_per_token() * job.tokens_per_step / est.step_time / (cluster.world_size * peak)

@@ -1,0 +1,151 @@
+"""`trainmesh plan`'s model: the parameter table against the real GPT and its tensor-parallel and FSDP shards, the
+layouts against trainmesh's own resolver, the link and pipeline arithmetic, the calibration fit, and rankings
+that a correct model must produce."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from trainmesh.config import ConfigError
+from trainmesh.job import load_config
+from trainmesh.plan.calibrate import SIZES, _fit
+from trainmesh.plan.cluster import PRESETS, Cost, Link, get_cluster, load_calibration, save_calibration
+from trainmesh.plan.estimate import Precision, pieces_in_flight
+from trainmesh.plan.layouts import Candidate, candidates
+from trainmesh.plan.model import ModelSpec
+from trainmesh.plan.search import Workload, estimate, plan_layouts
+from trainmesh.recipes.gpt.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(*overrides: str):  # type: ignore[no-untyped-def]
+    return load_config(None, ["--model.size=nano", "--model.vocab_size=64", "--model.block_size=16", *overrides], "gpt")
+
+
+def test_the_parameter_table_is_the_models() -> None:
+    cfg = GPTConfig(size="nano", vocab_size=64, block_size=16)
+    spec = ModelSpec(cfg)
+    model = GPT(cfg)
+    assert spec.n_params == sum(p.numel() for p in model.parameters())  # the tied matrix once
+    assert {p.name: p.shape for p in spec.params} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # pipeline: the first stage embeds, the last holds the head's copy of the tied matrix too
+    first, last = (spec.stage_params(s, 2) for s in (0, 1))
+    assert "wte.weight" in {p.name for p in first} and "wte.weight" in {p.name for p in last}
+    assert "ln_f.weight" in {p.name for p in last} and "wpe.weight" not in {p.name for p in last}
+    assert sum(spec.blocks_of_stage(s, 2) for s in range(2)) == cfg.n_layer
+    assert sum(math.prod(p.shape) for p in first + last) == spec.n_params + math.prod(model.wte.weight.shape)
+
+
+def test_local_sizes_follow_tensor_parallel_and_fsdp_chunks() -> None:
+    spec = ModelSpec(GPTConfig(size="nano", vocab_size=64, block_size=16))
+    by_name = {p.name: p for p in spec.params}
+    qkv, proj, bias = (
+        by_name["blocks.0.attn.qkv.weight"],
+        by_name["blocks.0.attn.proj.weight"],
+        "blocks.0.attn.proj.bias",
+    )
+    assert qkv.local_numel(2, 1) == 48 * 32 and proj.local_numel(2, 1) == 32 * 16  # rows / columns cut
+    assert by_name[bias].local_numel(2, 1) == 32  # a row-parallel bias stays whole
+    # FSDP: torch.chunk's first (largest) chunk of dim 0, after tensor parallelism
+    assert by_name["wpe.weight"].local_numel(1, 3) == math.ceil(16 / 3) * 32
+    assert qkv.local_numel(2, 4) == 12 * 32
+    assert [len(c) for c in torch.chunk(torch.empty(16, 32), 3)][0] == math.ceil(16 / 3)
+
+
+def test_every_candidate_launches_and_the_overrides_select_it() -> None:
+    config = _config()
+    found = list(candidates(config, 8, 4, 2, 16, [4, 2]))
+    kinds = {c.kind for c in found}
+    assert kinds == {"ddp", "fsdp", "fsdp-grad-op", "fsdp-offload", "hsdp", "single"}
+    assert {(c.pp, c.tp) for c in found} >= {(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)}
+    for cand in found:
+        job = cand.job(config, 16, 8)
+        if job is None:  # refused by trainmesh: only where the nano model cannot be cut (2 heads, 2 blocks)
+            assert cand.tp > 2 or cand.pp > 2, cand
+            continue
+        again = load_config(None, [*_overrides(), *cand.overrides(16)], "gpt")
+        assert again.parallel == job.config.parallel and again.train == job.config.train
+        assert Candidate.from_job(job) == cand, cand.name
+
+
+def _overrides() -> list[str]:
+    return ["--model.size=nano", "--model.vocab_size=64", "--model.block_size=16"]
+
+
+def test_ring_collectives_and_links() -> None:
+    link = Link.uniform(bandwidth=100.0, latency=1.0)
+    assert link.time("all_reduce", 800, 8) == pytest.approx(
+        2 * 7 / 8 * 8 + 2 * 3
+    )  # 2(n−1)/n · bytes/bw + 2·log2 n hops
+    assert link.time("all_gather", 800, 8) == pytest.approx(7 / 8 * 8 + 3)
+    assert link.time("p2p", 800, 2) == pytest.approx(8 + 1)
+    assert link.time("all_reduce", 800, 1) == 0.0
+    h100 = get_cluster("h100", nodes=4, devices_per_node=None)
+    assert h100.world_size == 32
+    assert h100.link(8, 1) is h100.intra and h100.link(2, 8) is h100.inter and h100.link(4, 2) is h100.intra
+
+
+def test_pipeline_pieces_in_flight_per_schedule() -> None:
+    one_f_one_b = Candidate("single", 4, 1, 1, 1, 0, 8, 8)
+    assert [pieces_in_flight(one_f_one_b, s) for s in range(4)] == [4, 3, 2, 1]
+    gpipe = Candidate("single", 4, 1, 1, 1, 0, 8, 8, schedule="gpipe")
+    assert [pieces_in_flight(gpipe, s) for s in range(4)] == [8] * 4
+
+
+def test_bubble_is_p_minus_one_slots_of_m_plus_p_minus_one() -> None:
+    work = Workload.from_config(_config("--train.precision=32-true"), 8)
+    free = Link.uniform(bandwidth=math.inf, latency=0.0)  # communication free: the bubble alone
+    cluster = dataclasses.replace(get_cluster("h100", nodes=1, devices_per_node=2), intra=free, inter=free)
+    est = estimate(work, Candidate("single", 2, 1, 1, 1, 0, 8, 4), cluster)
+    assert est.time["bubble"] / (est.time["compute"] + est.time["bubble"]) == pytest.approx(1 / 5, rel=0.05)
+
+
+def test_calibration_fit_recovers_latency_and_bandwidth(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    truth = Cost(bandwidth=2e9, latency=50e-6)
+    seconds = [Link({"all_reduce": truth}).time("all_reduce", size, 2) for size in SIZES]
+    fitted = _fit("all_reduce", seconds)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert fitted.latency == pytest.approx(truth.latency, rel=1e-6)
+    path = tmp_path / "cal.json"
+    save_calibration(PRESETS["a100"], path)
+    assert load_calibration(path) == PRESETS["a100"]
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="trainmesh plan --calibrate"):
+        load_calibration(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_calibration(tmp_path / "none.json")
+
+
+def test_a_7b_model_needs_sharding_on_h100s() -> None:
+    """16 bytes per parameter: 7B under DDP is 112 GB, over an 80 GB H100; FSDP over 8 fits."""
+    config = load_config(
+        None,
+        ["--model.size=gpt2", "--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096"]
+        + ["--model.vocab_size=32000", "--model.block_size=4096", "--train.precision=bf16-mixed"],
+        "gpt",
+    )
+    work = Workload.from_config(config, 64)
+    assert 6.5e9 < work.spec.n_params < 7e9
+    rows = {e.candidate.name: e for e in plan_layouts(config, work, get_cluster("h100", nodes=1, devices_per_node=8))}
+    assert not rows["ddp(8)"].fits and rows["ddp(8)"].memory["optimizer"] > 50e9
+    assert rows["fsdp(8) +AC"].fits
+    assert rows["fsdp(8) +AC"].memory["params"] == pytest.approx(4 * work.spec.n_params / 8, rel=0.01)
+    fastest = next(e for e in rows.values() if e.fits)
+    assert fastest.step_time <= min(e.step_time for e in rows.values() if e.fits)
+
+
+def test_precision_sizes_and_bad_input() -> None:
+    assert (Precision("bf16-true").weight, Precision("bf16-mixed").weight, Precision("bf16-mixed").gather) == (2, 4, 2)
+    assert Precision("32-true").compute_dtype(tf32=True) == "tf32"
+    with pytest.raises(ValueError, match="--cluster='tpu'"):
+        get_cluster("tpu", 1, None)
+    with pytest.raises(ValueError, match="--nodes=0"):
+        get_cluster("h100", 0, None)
+    with pytest.raises(ValueError, match="not supported"):
+        Workload.from_config(load_config(None, [], "resnet"), 8)
+    assert ConfigError  # the command turns these into ConfigErrors (exit 2): tests/e2e/test_plan_cli.py

@@ -54,7 +54,7 @@ def test_local_sizes_follow_tensor_parallel_and_fsdp_chunks() -> None:
     # FSDP: torch.chunk's first (largest) chunk of dim 0, after tensor parallelism
     assert by_name["wpe.weight"].local_numel(1, 3) == math.ceil(16 / 3) * 32
     assert qkv.local_numel(2, 4) == 12 * 32
-    assert [len(c) for c in torch.chunk(torch.empty(16, 32), 3)][0] == math.ceil(16 / 3)
+    assert len(torch.chunk(torch.empty(16, 32), 3)[0]) == math.ceil(16 / 3)
 
 
 def test_every_candidate_launches_and_the_overrides_select_it() -> None:
@@ -125,8 +125,10 @@ def test_a_7b_model_needs_sharding_on_h100s() -> None:
     """16 bytes per parameter: 7B under DDP is 112 GB, over an 80 GB H100; FSDP over 8 fits."""
     config = load_config(
         None,
-        ["--model.size=gpt2", "--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096"]
-        + ["--model.vocab_size=32000", "--model.block_size=4096", "--train.precision=bf16-mixed"],
+        [
+            *("--model.size=gpt2", "--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096"),
+            *("--model.vocab_size=32000", "--model.block_size=4096", "--train.precision=bf16-mixed"),
+        ],
         "gpt",
     )
     work = Workload.from_config(config, 64)

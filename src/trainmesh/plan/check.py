@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trainmesh.job import Job
-from trainmesh.plan.cluster import PRESETS, Cluster, GiB, calibration_path, load_calibration
+from trainmesh.plan.cluster import PRESETS, Cluster, GiB, calibration_path, load_calibration, size_unit
 from trainmesh.plan.estimate import Estimate, Precision, memory
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
@@ -70,12 +70,14 @@ def memory_lines(job: Job, processes_per_node: int) -> list[str]:
     if est is None:
         return [f"  memory: not predicted for recipe {job.config.run.recipe!r} (trainmesh plan models the gpt recipe)"]
     m = est.memory
-    parts = ", ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
-    extra = (m["gathered"] + m["temporaries"]) / GiB
+    unit, scale = size_unit(est.total_memory)
+    parts = ", ".join(f"{k} {m[k] / scale:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    extra = (m["gathered"] + m["temporaries"]) / scale
     where = f" (pipeline stage {est.stage})" if job.layout.dims.pp > 1 else ""
+    host = f"; host {est.host / scale:.2f} {unit}" if est.host else ""
     lines = [
-        f"  memory per rank, predicted{where}: {est.total_memory / GiB:.2f} GiB = {parts}, temporaries {extra:.2f}, "
-        f"overhead {m['overhead'] / GiB:.2f} GiB" + (f"; host {est.host / GiB:.2f} GiB" if est.host else "")
+        f"  memory per rank, predicted{where}: {est.total_memory / scale:.2f} {unit} = {parts}, temporaries "
+        f"{extra:.2f}, overhead {m['overhead'] / scale:.2f} {unit}{host}"
     ]
     if not est.fits:
         lines.append(

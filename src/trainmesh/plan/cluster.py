@@ -23,6 +23,12 @@ from trainmesh.core.files import write_atomically
 
 GB, GiB = 1e9, 2**30
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+MiB = 2**20
+
+
+def size_unit(largest: float) -> tuple[str, float]:
+    """GiB, or MiB when `largest` (bytes) is under a GiB: the unit a table of such sizes reads best in."""
+    return ("GiB", GiB) if largest >= GiB else ("MiB", MiB)
 
 
 @dataclass(frozen=True)

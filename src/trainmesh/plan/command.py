@@ -18,7 +18,7 @@ from typing import Any
 
 from trainmesh.config import Config, ConfigError
 from trainmesh.job import load_config
-from trainmesh.plan.cluster import CLUSTERS, Cluster, GiB, calibration_path, get_cluster
+from trainmesh.plan.cluster import CLUSTERS, Cluster, GiB, calibration_path, get_cluster, size_unit
 from trainmesh.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
 from trainmesh.plan.search import Workload, mfu, plan_layouts
 
@@ -103,12 +103,14 @@ def run_command(
     return command + overrides + est.candidate.overrides(global_batch)
 
 
-def _gib(x: float) -> str:
-    return f"{x / GiB:6.2f}"
-
-
 def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int | None) -> str:
     spec = work.spec
+    rows = estimates[:top] if top else estimates
+    unit, scale = size_unit(max(e.total_memory for e in rows))
+
+    def size(x: float) -> str:
+        return f"{x / scale:6.2f}"
+
     dtype = work.precision.compute_dtype(work.tf32 and cluster.device == "cuda")
     source = f"calibrated ({cluster.calibrated})" if cluster.calibrated else "assumed: calibrate for measured figures"
     lines = [
@@ -119,25 +121,24 @@ def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int
         f"{cluster.memory / GiB:.1f} GiB; {cluster.flops(dtype) / 1e12:.3g} TFLOP/s achievable in {dtype} "
         f"({source})",
         "",
-        f"{'layout':<26} {'micro':>5} {'accum':>5} | {'GiB/rank':>8} {'params':>6} {'grads':>6} {'optim':>6} "
+        f"{'layout':<26} {'micro':>5} {'accum':>5} | {unit + '/rank':>8} {'params':>6} {'grads':>6} {'optim':>6} "
         f"{'act':>6} {'temp':>6} {'fits':>4} | {'step s':>8} {'comp':>5} {'bubl':>5} {'comm':>5} {'opt':>5} "
         f"{'offl':>5} | {'tok/s':>9} {'MFU':>5}",
     ]
     lines.append("-" * len(lines[-1]))
-    for est in estimates[:top] if top else estimates:
+    for est in rows:
         c, m, t = est.candidate, est.memory, est.time
         accum = work.global_batch // (c.dp * c.micro_batch)
         share = {k: t[k] / est.step_time for k in TIME_PARTS}
         lines.append(
-            f"{c.name:<26} {c.micro_batch:5d} {accum:5d} | {_gib(est.total_memory):>8} {_gib(m['params'])} "
-            f"{_gib(m['grads'])} {_gib(m['optimizer'])} {_gib(m['activations'])} "
-            f"{_gib(m['temporaries'] + m['gathered'])} {'yes' if est.fits else 'NO':>4} | {est.step_time:8.3f} "
+            f"{c.name:<26} {c.micro_batch:5d} {accum:5d} | {size(est.total_memory):>8} {size(m['params'])} "
+            f"{size(m['grads'])} {size(m['optimizer'])} {size(m['activations'])} "
+            f"{size(m['temporaries'] + m['gathered'])} {'yes' if est.fits else 'NO':>4} | {est.step_time:8.3f} "
             + " ".join(f"{share[k]:5.0%}" for k in TIME_PARTS)
             + f" | {work.tokens_per_step / est.step_time:9.3g} {mfu(work, est, cluster):5.1%}"
         )
-    shown = len(estimates) if not top else min(top, len(estimates))
-    if shown < len(estimates):
-        lines.append(f"... {len(estimates) - shown} more (--top to show more, --json for all)")
+    if len(rows) < len(estimates):
+        lines.append(f"... {len(estimates) - len(rows)} more (--top to show more, --json for all)")
     lines += ["", "assumptions:"] + [f"  - {a}" for a in (*ASSUMPTIONS, *cluster.notes)]
     return "\n".join(lines)
 

@@ -1,0 +1,86 @@
+"""`trainmesh plan` from the command line: the table and a run command that `trainmesh check` accepts as it is,
+calibration of this machine and its reuse, and every bad input refused (exit 2) before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from support import nano_toml
+from trainmesh.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_table_and_its_run_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(nano_toml(tmp_path))
+    report = tmp_path / "plan.json"
+    code, out, err = _plan(
+        capsys, "gpt", "--config", config, "--cluster", "h100", "--devices-per-node", "2", "--json", str(report)
+    )
+    assert code == 0, err
+    assert "layout" in out and "ddp(2)" in out and "fsdp(2)" in out and "assumptions:" in out
+    command = shlex.split(out.split("Fastest that fits:")[1].splitlines()[1])
+    assert command[:3] == ["trainmesh", "run", "gpt"] and "--nproc-per-node" in command
+    rows = json.loads(report.read_text())["layouts"]
+    assert rows[0]["fits"] and rows == sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))
+    assert {"pp(2)", "tp(2)", "ddp(2) +AC"} <= {r["name"] for r in rows}
+    # the printed command launches as printed: `trainmesh check` resolves it, and predicts the same memory
+    assert main(["check", *command[2:]]) == 0
+    checked = capsys.readouterr().out
+    assert "OK" in checked and "memory per rank, predicted" in checked
+    predicted = rows[0]["memory_bytes"]  # the same layout and batch: the same bytes but for the cluster's overhead
+    assert f"activations {predicted['activations'] / 2**20:.2f}," in checked
+    assert f"params {predicted['params'] / 2**20:.2f}," in checked
+
+
+def test_calibrate_then_plan_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibration = tmp_path / "cache" / "calibration.json"
+    monkeypatch.setenv("TRAINMESH_CALIBRATION", str(calibration))
+    config = str(nano_toml(tmp_path))
+    code, out, err = _plan(capsys, "gpt", "--config", config, "--cluster", "this")
+    assert code == 2 and "trainmesh plan --calibrate" in err and not calibration.exists()
+    code, out, err = _plan(capsys, "gpt", "--config", config, "--calibrate", "--cluster", "this", "--top", "3")
+    assert code == 0, err
+    saved = json.loads(calibration.read_text())
+    assert saved["device"] == "cpu" and saved["peak_flops"]["fp32"] > 1e8 and saved["mem_bandwidth"] > 1e8
+    assert all(cost["bandwidth"] > 1e6 for cost in saved["intra"]["costs"].values())
+    assert "calibrated (" in out and "more (--top" in out
+    code, out, err = _plan(capsys, "gpt", "--config", config, "--cluster", "this")  # reused, not re-measured
+    assert code == 0 and "calibrated (" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cluster", "tpu"], "--cluster='tpu' is not one of a100, h100, h200, this"),
+        (["--nodes", "0"], "--nodes=0 must be at least 1"),
+        (["--devices-per-node", "-1"], "--devices-per-node=-1 must be at least 1"),
+        (["--global-batch", "0"], "--global-batch=0 must be at least 1"),
+        (["--top", "0"], "--top=0 must be at least 1"),
+        (["--model.n_head=5"], "model.n_embd=32 must be divisible by model.n_head=5"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    report = tmp_path / "plan.json"
+    code, _, err = _plan(capsys, "gpt", "--config", str(nano_toml(tmp_path)), "--json", str(report), *args)
+    assert code == 2 and message in err, err
+    assert not report.exists()
+
+
+def test_a_recipe_the_plan_does_not_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _plan(capsys, "resnet")
+    assert code == 2 and "run.recipe='resnet' is not supported" in err

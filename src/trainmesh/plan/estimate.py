@@ -13,7 +13,9 @@ micro-batches in flight) and the most loaded one is what must fit. Components:
     gathered                   FSDP grad-op keeps every unit's gathered parameters from forward to backward.
     temporaries                peaks inside the step: FSDP's gathered unit and its prefetched neighbour with the
                                unit's unsharded gradients, the recomputed block of activation checkpointing, the
-                               gradient of the logits, pipeline send/receive buffers.
+                               gradient of the logits, pipeline send/receive buffers. DDP's buckets add
+                               nothing: they hold the gradients themselves (parallel.ddp.gradient_as_bucket_view,
+                               on by default).
     overhead                   what every process holds before the model (the cluster's: CUDA context etc.).
 
 Step time, for the most loaded stage, per optimizer step:

@@ -1,28 +1,35 @@
-"""Shared test helpers: a tiny GPT configuration and rank functions that train it and report back."""
+"""Shared test helpers: a tiny GPT configuration, rank functions that train it and report back, and the bytes a
+GPT forward leaves for backward (the activation model's measurement)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import Dataset
 
 from trainmesh.checkpoint.state import TRAINER_STATE
 from trainmesh.config import Config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict
+from trainmesh.config.schema import DistConfig, ParallelConfig
 from trainmesh.core.env import free_port
 from trainmesh.job import load_config
 from trainmesh.metrics.sinks import read_metrics
 from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt import GPTRecipe
-from trainmesh.recipes.gpt.model import IGNORE_INDEX
+from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
+from trainmesh.recipes.gpt.parallel import parallelize_gpt
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.train.loop import TrainResult
 from trainmesh.worker import run_worker
 
@@ -205,3 +212,93 @@ def refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str], *
     err = capsys.readouterr().err
     assert "torchrun" not in err and "Traceback" not in err
     return err
+
+
+def gpt_saved_bytes(
+    shape: tuple[int, int, int, int, int, int],
+    precision: str = "32-true",
+    checkpoint_every: int = 0,
+    attention: str = "flash",
+    tp: int = 1,
+) -> tuple[list[int], int, int]:
+    """What one forward and loss of trainmesh's GPT (`shape`: n_layer, n_head, n_embd, vocab, seq, batch) leave for
+    backward on this rank, set up as trainmesh trains it (Runtime.setup: the precision's module conversion, tensor
+    parallelism by the GPT's plan, the blocks' checkpointing; the forward and loss under its autocast, as
+    Strategy.forward_backward runs them), on the CPU: see `saved_activation_bytes`. `attention="math"` runs SDPA's
+    unfused path; with `tp` > 1 call it in each of `tp` ranks (trainmesh.testing.run_distributed)."""
+    n_layer, n_head, n_embd, vocab, seq, batch = shape
+    parallel = ParallelConfig(tp=tp, activation_checkpointing=checkpoint_every)
+    rt = Runtime(precision=precision, parallel=parallel, dist=DistConfig(device="cpu"), seed=0)
+    cfg = GPTConfig(size="nano", n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=seq, vocab_size=vocab)
+    raw = GPT(cfg)
+    blocks = list(raw.blocks)
+    model = rt.setup(raw, plan=ParallelPlan(tensor_parallel=parallelize_gpt))
+    x, y = (torch.randint(vocab, (batch, seq)) for _ in range(2))  # the same on every rank (seed 0)
+
+    def forward() -> None:
+        kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+        with rt.autocast(), kernel:
+            summed_lm_loss(model(x), y)
+
+    return saved_activation_bytes(model, blocks, forward)
+
+
+def saved_activation_bytes(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], forward: Callable[[], object]
+) -> tuple[list[int], int, int]:
+    """What `forward()` leaves for backward: bytes held in each block, outside the blocks, and of both autocast's
+    copies of weights. Each storage counts once (q, k and v are views of one), in this rank's local part (a DTensor
+    its `.to_local()`), at its size when `forward` returns; storages of parameters are not activations. A checkpointed
+    block keeps its input outside autograd's saved tensors (the checkpoint's own hooks take over inside it), so every
+    block's input is recorded by a forward pre-hook too: the same storage ln_1 saves where it is not checkpointed."""
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[str, bool, torch.Tensor]] = {}
+    where = ["outside"]
+
+    def record(t: torch.Tensor, place: str) -> None:
+        key = _local(t).untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen[key] = (place, _is_weight_copy(t), _local(t))
+
+    def enter(index: int) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            where[0] = str(index)
+            record(args[0], where[0])
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(enter(i)) for i, block in enumerate(blocks)]
+    handles += [block.register_forward_hook(lambda *_: where.__setitem__(0, "outside")) for block in blocks]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        record(t, where[0])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    for handle in handles:
+        handle.remove()
+    per_block, outside, copies = [0] * len(blocks), 0, 0
+    for place, copy, t in seen.values():
+        size = t.untyped_storage().nbytes()
+        copies += size if copy else 0
+        if place == "outside":
+            outside += size
+        else:
+            per_block[int(place)] += size
+    return per_block, outside, copies
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """Whether `t` is (a transpose of) a cast of a leaf: autocast's copy of a weight, which a linear layer saves."""
+    fn = t.grad_fn
+    while fn is not None and fn.name() == "TBackward0":
+        fn = fn.next_functions[0][0]
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and source.name() == "torch::autograd::AccumulateGrad"

@@ -1,15 +1,11 @@
-"""The memory model of `trainmesh plan`: the ZeRO paper's model-state table, and the GPT's activations held to
-the bytes autograd really saves (counted by storage, as benchmarks/memory.py does)."""
+"""The memory model of `trainmesh plan`: the ZeRO paper's model-state table and trainmesh's precisions (the GPT's
+activations: test_plan_activations.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
-from trainmesh.plan.memory import StateBytes, gpt_activations, model_states
-from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
+from trainmesh.plan.memory import StateBytes, model_states
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,42 +25,3 @@ def test_trainmesh_precisions_and_bad_input() -> None:
         StateBytes.adamw("fp8")
     with pytest.raises(ValueError, match="ZeRO stage 4"):
         model_states(1000, 2, 4, StateBytes.zero_paper())
-
-
-def saved_bytes(cfg: GPTConfig, batch: int) -> tuple[int, int]:
-    """(bytes saved inside the blocks, outside them) by one forward of the real model, each storage once."""
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, tuple[str, torch.Tensor]] = {}
-    where = ["outside"]
-    for block in model.blocks:
-        block.register_forward_pre_hook(lambda *_: where.__setitem__(0, "blocks"))
-        block.register_forward_hook(lambda *_: where.__setitem__(0, "outside"))
-
-    def pack(t: torch.Tensor) -> Any:
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen:
-            seen[key] = (where[0], t)
-        return t
-
-    x, y = (torch.randint(cfg.vocab_size, (batch, cfg.block_size)) for _ in range(2))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        summed_lm_loss(model(x), y)
-    totals = {"blocks": 0, "outside": 0}
-    for kind, t in seen.values():
-        totals[kind] += t.untyped_storage().nbytes()
-    return totals["blocks"], totals["outside"]
-
-
-@pytest.mark.parametrize(
-    ("n_layer", "n_head", "n_embd", "vocab", "seq", "batch"),
-    [(2, 2, 64, 256, 32, 2), (3, 4, 64, 512, 16, 3), (2, 4, 128, 100, 24, 1)],
-)
-def test_the_gpt_activation_formula_matches_what_autograd_saves(
-    n_layer: int, n_head: int, n_embd: int, vocab: int, seq: int, batch: int
-) -> None:
-    cfg = GPTConfig(size="nano", n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=seq, vocab_size=vocab)
-    blocks, outside = saved_bytes(cfg, batch)
-    predicted = gpt_activations(n_layer, n_head, n_embd, vocab, seq, batch)
-    assert (n_layer * predicted.per_block, predicted.outside) == (blocks, outside)

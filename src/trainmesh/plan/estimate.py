@@ -7,8 +7,8 @@ micro-batches in flight) and the most loaded one is what must fit. Components:
                                AdamW keeps two moments like the parameter and a 4-byte step per tensor. FSDP
                                accumulating gradients (no_sync) keeps them unsharded until the last micro-step.
                                CPU offload moves all three to host memory.
-    activations                what autograd saves for backward (memory.py's formula, held to the byte on the
-                               real model) × the micro-batch pieces a pipeline stage holds at once: GPipe all m,
+    activations                what autograd saves for backward (activations.py's formula, held to the byte on
+                               the real model) × the micro-batch pieces a pipeline stage holds at once: GPipe all m,
                                1F1B p − i on stage i, interleaved schedules per Narayanan et al. (1 + (p−1)/(p·v)).
     gathered                   FSDP grad-op keeps every unit's gathered parameters from forward to backward.
     temporaries                peaks inside the step: FSDP's gathered unit and its prefetched neighbour with the
@@ -37,9 +37,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainmesh.plan.activations import INT64, gpt_activations
 from trainmesh.plan.cluster import Cluster
 from trainmesh.plan.layouts import Candidate
-from trainmesh.plan.memory import gpt_activations
+from trainmesh.plan.memory import element_bytes
 from trainmesh.plan.model import ModelSpec, Param
 from trainmesh.strategies import SCHEDULES
 
@@ -51,22 +52,29 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element of each kind of tensor under train.precision."""
+    """Bytes per element of each kind of tensor under train.precision (memory.ELEMENT_BYTES)."""
 
     name: str
 
     @property
     def weight(self) -> int:
-        return 2 if self.name == "bf16-true" else 4
+        return element_bytes(self.name).param
 
     @property
     def activation(self) -> int:
-        return 4 if self.name == "32-true" else 2
+        return element_bytes(self.name).compute
 
     @property
     def gather(self) -> int:
         """FSDP all-gathers parameters in the compute dtype (bf16 under the mixed precisions)."""
         return self.activation
+
+    def activations_under(self, strategy: str) -> str:
+        """The precision whose activations a strategy's forward saves: under fsdp a mixed precision's gathered
+        weights (LayerNorms and embeddings too) are already 16-bit, so the residual stream is, and autocast copies
+        nothing: bf16-true's bytes (activations.py)."""
+        mixed = self.name in ("bf16-mixed", "16-mixed")
+        return "bf16-true" if strategy == "fsdp" and mixed else self.name
 
     def compute_dtype(self, tf32: bool) -> str:
         if self.name != "32-true":
@@ -142,28 +150,33 @@ def _stage_memory(
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
 
     piece = cand.micro_batch // cand.microbatches
-    act = gpt_activations(spec.n_layer, spec.n_head, spec.n_embd, spec.vocab, spec.seq, piece)
-    blocks = spec.blocks_of_stage(stage, cand.pp)
-    checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
-    block_input = spec.seq * piece * spec.n_embd * precision.activation
-    per_piece = (blocks - checkpointed) * act.per_block + checkpointed * block_input
-    last, first = stage == cand.pp - 1, stage == 0
-    per_piece += act.outside if last else 0
-    activations = per_piece * pieces_in_flight(cand, stage)
-
-    unsharded_block = max(
-        (
-            _bytes([p for p in held if p.block == b], cand.tp, 1, 1)
-            for b in {p.block for p in held if p.block is not None}
-        ),
-        default=0.0,
+    act = gpt_activations(
+        spec.n_layer,
+        spec.n_head,
+        spec.n_embd,
+        spec.vocab,
+        spec.seq,
+        piece,
+        precision=precision.activations_under(cand.strategy),
+        checkpoint_every=cand.checkpoint_every,
+        tp=cand.tp,
     )
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0  # i % k == 0 per stage
+    per_piece = (blocks - checkpointed) * act.per_block + checkpointed * act.checkpointed_block
+    last, first = stage == cand.pp - 1, stage == 0
+    ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
+    per_piece += (ids if first else 0) + (act.outside - ids if last else 0)
+    activations = per_piece * pieces_in_flight(cand, stage)
+    block_input = spec.seq * piece * spec.n_embd * precision.activation  # what a pipeline stage sends on
+
+    in_blocks = {p.block for p in held if p.block is not None}
+    unsharded_block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
     gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" else 0.0
     temporaries = 0.0
     if fsdp and cand.kind != "fsdp-grad-op":  # the unit computing and the one prefetched, and its gradients
         temporaries += unsharded_block * (2 * precision.gather + 4)
-    if checkpointed:
-        temporaries += act.per_block
+    temporaries += act.recompute_peak if checkpointed else 0
     if last:  # the logits' gradient, alive at the start of backward
         temporaries += 4.0 * spec.seq * piece * spec.vocab
     if cand.pp > 1:

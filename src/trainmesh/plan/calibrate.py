@@ -3,8 +3,11 @@
 Three measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
 reproduces them:
 
-- compute: the configured GPT (its shape, micro-batch and precision), one process, forward + backward timed
-  over a few steps after warm-up; achievable FLOP/s = the step's FLOPs (model.py's count) / the median time.
+- compute: the configured GPT (its shape and precision), one process, forward + backward timed over a few steps
+  after warm-up, at the configured micro-batch and at a quarter of it; the two medians give a time per step that
+  does not grow with the tokens (kernel launches, Python: `step_overhead`) and the achievable FLOP/s of the rest
+  (model.py's FLOP count), so that pipeline pieces and checkpointed blocks, which run the model on fewer tokens or
+  twice, are timed right.
 - memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
   32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
 - collectives (CPU: two gloo processes on this machine): all-reduce, all-gather, reduce-scatter and a
@@ -51,7 +54,8 @@ def calibrate(config: Config, path: Path) -> Cluster:
         raise ValueError("plan --calibrate times the gpt recipe's model; run it with the gpt recipe")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log.info("calibrating on %s with GPT %s, micro-batch %d ...", device, model.size, config.train.micro_batch)
-    compute = run_distributed(_time_model, 1, (config,), timeout_s=900)[0]
+    small = max(1, config.train.micro_batch // 4)
+    compute = run_distributed(_time_model, 1, (config, [config.train.micro_batch, small]), timeout_s=900)[0]
     links = _measure_links() if device == "cpu" else None
     cluster = _cluster(config, device, compute, links)
     save_calibration(cluster, path)
@@ -65,10 +69,9 @@ def calibrate(config: Config, path: Path) -> Cluster:
     return cluster
 
 
-def _cluster(config: Config, device: str, compute: dict[str, float], links: Link | None) -> Cluster:
+def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link | None) -> Cluster:
     spec = ModelSpec(config.model)  # type: ignore[arg-type]
-    tokens = config.train.micro_batch * spec.seq
-    flops = spec.train_flops_per_token() * tokens / compute["forward_backward_s"]
+    flops, overhead = _fit_compute(spec, compute["forward_backward_s"])
     bandwidth = spec.n_params * OPTIMIZER_BYTES_PER_PARAM / compute["optimizer_s"]
     dtype = Precision(config.train.precision).compute_dtype(config.train.tf32 and device == "cuda")
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -83,6 +86,7 @@ def _cluster(config: Config, device: str, compute: dict[str, float], links: Link
             peak_flops={**preset.peak_flops, dtype: flops},
             efficiency=1.0 if dtype in preset.peak_flops else preset.efficiency,
             mem_bandwidth=bandwidth,
+            step_overhead=overhead,
             calibrated=source,
             notes=(f"calibrated {dtype} only; links are the {preset.name} preset's (one device: no peer to time)",),
         )
@@ -103,6 +107,7 @@ def _cluster(config: Config, device: str, compute: dict[str, float], links: Link
         host_bandwidth=bandwidth,
         overhead=compute["rss_before_model"],
         overlap=0.0,
+        step_overhead=overhead,
         calibrated=source,
         notes=(
             f"CPU: one process per core, one thread each; FLOP/s measured in {config.train.precision} only",
@@ -125,8 +130,22 @@ def _resident() -> float:
     return 0.0
 
 
-def _time_model(rank: int, config: Config) -> dict[str, float]:
-    """Median forward + backward and optimizer-step seconds of `config`'s GPT on this device (one process)."""
+def _fit_compute(spec: ModelSpec, seconds: dict[int, float]) -> tuple[float, float]:
+    """(FLOP/s, seconds per step that do not grow with tokens) from forward + backward times at two micro-batches:
+    t = overhead + FLOPs / rate. A measurement whose small micro-batch is not faster gives no overhead."""
+    points = sorted(seconds.items(), reverse=True)
+    (big, t_big), (small, t_small) = points[0], points[-1]  # the same point when one micro-batch was timed
+    per_sequence = spec.train_flops_per_token() * spec.seq
+    if big == small or t_big <= t_small:
+        return per_sequence * big / t_big, 0.0
+    rate = per_sequence * (big - small) / (t_big - t_small)
+    overhead = t_big - per_sequence * big / rate
+    return (rate, overhead) if overhead > 0 else (per_sequence * big / t_big, 0.0)
+
+
+def _time_model(rank: int, config: Config, micro_batches: list[int]) -> dict[str, Any]:
+    """Median forward + backward seconds of `config`'s GPT on this device (one process) at each micro-batch, and
+    of the optimizer step."""
     del rank
     dist.init_process_group("gloo")
     rss = _resident()
@@ -139,25 +158,29 @@ def _time_model(rank: int, config: Config) -> dict[str, float]:
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     if precision == "bf16-true":
         model.to(torch.bfloat16)
-    batch = torch.randint(cfg.vocab_size, (config.train.micro_batch, cfg.block_size + 1), device=device)
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    fb, opt = [], []
-    for step in range(WARMUP + STEPS):
-        _sync(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = summed_lm_loss(model(inputs), targets)
-        loss.backward()
-        _sync(device)
-        middle = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in training
-        _sync(device)
-        if step >= WARMUP:
-            fb.append(middle - start)
-            opt.append(time.perf_counter() - middle)
-    return {"forward_backward_s": statistics.median(fb), "optimizer_s": statistics.median(opt), "rss_before_model": rss}
+    fb: dict[int, float] = {}
+    opt: list[float] = []
+    for micro in micro_batches:
+        batch = torch.randint(cfg.vocab_size, (micro, cfg.block_size + 1), device=device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        times = []
+        for step in range(WARMUP + STEPS):
+            _sync(device)
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = summed_lm_loss(model(inputs), targets)
+            loss.backward()
+            _sync(device)
+            middle = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in training
+            _sync(device)
+            if step >= WARMUP:
+                times.append(middle - start)
+                opt.append(time.perf_counter() - middle)
+        fb[micro] = statistics.median(times)
+    return {"forward_backward_s": fb, "optimizer_s": statistics.median(opt), "rss_before_model": rss}
 
 
 def _sync(device: torch.device) -> None:

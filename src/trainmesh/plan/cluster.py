@@ -86,6 +86,9 @@ class Cluster:
     """Bytes every process holds before the model (CUDA context, NCCL and cuBLAS workspaces)."""
     overlap: float
     """Fraction of the compute that communication may hide behind (0: none, as on CPU cores that do both)."""
+    step_overhead: float = 0.0
+    """Seconds of a whole model's forward + backward that do not grow with its tokens (kernel launches, Python):
+    calibrated; 0 in the presets, whose efficiency stands for it."""
     calibrated: str = ""
     """Where the figures were measured (a calibration file), or '' for a preset's assumptions."""
     notes: tuple[str, ...] = field(default=())

@@ -126,8 +126,8 @@ def memory(spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Clus
     """Memory of the most loaded rank (the stage whose total is largest); time is filled by `step_time`."""
     best: Estimate | None = None
     for stage in range(cand.pp):
-        parts, host = _stage_memory(spec, cand, precision, cluster, accum, stage)
-        est = Estimate(cand, parts, host, stage, {}, fits=True)
+        parts, host = stage_memory(spec, cand, precision, cluster, accum, stage)
+        est = Estimate(cand, parts, sum(host.values()), stage, {}, fits=True)
         if best is None or est.total_memory > best.total_memory:
             best = est
     assert best is not None
@@ -135,9 +135,11 @@ def memory(spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Clus
     return best
 
 
-def _stage_memory(
+def stage_memory(
     spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Cluster, accum: int, stage: int
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes by MEMORY_PARTS on a rank of pipeline stage `stage`, and those it keeps in host memory instead (CPU
+    offload: params, grads, optimizer)."""
     held = spec.stage_params(stage, cand.pp)
     fsdp = cand.strategy == "fsdp"
     shard = cand.dp_shard if fsdp else 1
@@ -145,9 +147,9 @@ def _stage_memory(
     # FSDP accumulating without synchronisation keeps the unsharded gradients until the last micro-step
     grads = _bytes(held, cand.tp, 1 if fsdp and accum > 1 else shard, precision.weight)
     optimizer = 2 * params + 4 * len(held)
-    host = 0.0
-    if cand.kind == "fsdp-offload":
-        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    host = {"params": params, "grads": grads, "optimizer": optimizer} if cand.kind == "fsdp-offload" else {}
+    if host:
+        params, grads, optimizer = 0.0, 0.0, 0.0
 
     piece = cand.micro_batch // cand.microbatches
     act = gpt_activations(
@@ -201,6 +203,7 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
     tokens = piece * spec.seq
     act_bytes = tokens * spec.n_embd * precision.activation
     tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
+    whole = spec.train_flops_per_token() / 3  # forward FLOPs per token of the whole model
 
     def slot(stage: int) -> tuple[float, float, float]:
         """(compute seconds, tensor-parallel and pipeline communication seconds, backward compute) per piece."""
@@ -211,8 +214,11 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
             spec.matmul_flops_per_token(side="head") if last else 0
         )
         recompute = checkpointed * spec.matmul_flops_per_token(side="block")
-        compute = tokens * (3 * forward + recompute) / cand.tp / flops
-        backward = tokens * (2 * forward + recompute) / cand.tp / flops
+        # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp:
+        # each rank launches every kernel) and once per piece
+        fixed = cluster.step_overhead * (3 * forward + recompute) / (3 * whole)
+        compute = tokens * (3 * forward + recompute) / cand.tp / flops + fixed
+        backward = tokens * (2 * forward + recompute) / cand.tp / flops + fixed * 2 / 3
         comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
         if first:
             comm += tp_link.time("all_reduce", act_bytes, cand.tp)
@@ -272,7 +278,12 @@ def _data_parallel_comm(
     if cand.dp_replicate > 1:
         replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
         reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate)
+    # FSDP2 copies each gathered unit out of the all-gather buffer, and each unsharded gradient into the
+    # reduce-scatter buffer: memory-bound copies (read + write) on the critical path
+    gather_copies = 2 * unsharded * precision.gather * (2 if regather else 1) / cluster.mem_bandwidth
+    reduce_copies = 2 * unsharded * 4 / cluster.mem_bandwidth
     forward = micro - backward
-    per_micro = max(gather / units, gather - hide * forward) + max(regather / units, regather - hide * backward)
-    last = max(reduce / units, reduce - hide * backward)  # gradients reduce once, in the last micro-step
+    per_micro = gather_copies + max(gather / units, gather - hide * forward)
+    per_micro += max(regather / units, regather - hide * backward)
+    last = reduce_copies + max(reduce / units, reduce - hide * backward)  # gradients reduce once, at the end
     return accum * per_micro + last

@@ -18,6 +18,7 @@ from trainmesh.plan.estimate import Estimate, Precision, memory, step_time
 from trainmesh.plan.layouts import Candidate, candidates
 from trainmesh.plan.model import ModelSpec
 from trainmesh.recipes.gpt.model import GPTConfig
+from trainmesh.strategies import SCHEDULES
 
 MICRO_BATCHES = [2**k for k in range(10, -1, -1)]
 
@@ -53,6 +54,14 @@ def estimate(job: Workload, cand: Candidate, cluster: Cluster) -> Estimate:
     return est
 
 
+def refused_by_shape(spec: ModelSpec, cand: Candidate) -> bool:
+    """What `resolve` refuses for this model's shape (recipes/gpt/parallel.py), known before estimating: heads or
+    vocabulary that do not split over the tensor-parallel degree, more pipeline stages than blocks. Estimating such
+    layouts first would fail (activations.py refuses the same tp) or take minutes (thousands of empty stages)."""
+    tp_splits = spec.n_head % cand.tp == 0 and spec.vocab % cand.tp == 0
+    return not tp_splits or cand.pp * SCHEDULES[cand.schedule][1] > spec.n_layer
+
+
 def plan_layouts(config: Config, job: Workload, cluster: Cluster) -> list[Estimate]:
     """The best micro-batch of every layout trainmesh accepts, fastest first; those that fit before the others."""
     groups: dict[tuple[object, ...], list[Candidate]] = defaultdict(list)
@@ -60,6 +69,8 @@ def plan_layouts(config: Config, job: Workload, cluster: Cluster) -> list[Estima
     for cand in candidates(
         config, cluster.world_size, cluster.devices_per_node, cluster.nodes, job.global_batch, micro
     ):
+        if refused_by_shape(job.spec, cand):
+            continue
         groups[(cand.kind, cand.pp, cand.tp, cand.dp_replicate, cand.dp_shard, cand.checkpoint_every)].append(cand)
     chosen: list[Estimate] = []
     for group in groups.values():

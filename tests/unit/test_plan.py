@@ -87,7 +87,14 @@ def test_ring_collectives_and_links() -> None:
     assert link.time("all_reduce", 800, 1) == 0.0
     h100 = get_cluster("h100", nodes=4, devices_per_node=None)
     assert h100.world_size == 32
-    assert h100.link(8, 1) is h100.intra and h100.link(2, 8) is h100.inter and h100.link(4, 2) is h100.intra
+    assert h100.link(8, 1) is h100.intra and h100.link(4, 2) is h100.intra
+    # across nodes, a group with k ranks on each node drives k NICs (up to NVLink's bandwidth); a send uses one
+    nic, nvlink = h100.inter.costs["all_reduce"].bandwidth, h100.intra.costs["all_reduce"].bandwidth
+    assert h100.link(2, 8).costs["all_reduce"].bandwidth == nic  # one rank per node
+    assert h100.link(8, 4).costs["all_reduce"].bandwidth == 2 * nic  # two per node
+    assert h100.link(32, 1).costs["all_reduce"].bandwidth == min(8 * nic, nvlink)
+    assert h100.link(32, 1).costs["p2p"].bandwidth == h100.inter.costs["p2p"].bandwidth
+    assert link.time("all_gather", 800, 8, messages=4) == pytest.approx(7 / 8 * 8 + 4 * 3)  # latency per message
 
 
 def test_pipeline_pieces_in_flight_per_schedule() -> None:

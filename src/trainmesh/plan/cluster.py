@@ -49,8 +49,9 @@ class Link:
     def uniform(cls, bandwidth: float, latency: float) -> Link:
         return cls({kind: Cost(bandwidth, latency) for kind in COLLECTIVES})
 
-    def time(self, kind: str, nbytes: float, ranks: int) -> float:
-        """Seconds for `kind` over `ranks` ranks; `nbytes` is the full (unsharded) buffer. Ring bandwidth terms
+    def time(self, kind: str, nbytes: float, ranks: int, messages: int = 1) -> float:
+        """Seconds for `kind` over `ranks` ranks; `nbytes` is the full (unsharded) buffer, sent as `messages`
+        collectives (FSDP: one per unit; DDP: one per bucket), each paying the latency. Ring bandwidth terms
         (all-reduce moves 2(n−1)/n of the buffer per rank, all-gather and reduce-scatter (n−1)/n, p2p all of
         it); latency grows with log2 n, as NCCL's tree and NVLS algorithms do at scale."""
         if ranks <= 1 or nbytes <= 0:
@@ -58,7 +59,8 @@ class Link:
         cost = self.costs[kind]
         share = {"all_reduce": 2 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind, (ranks - 1) / ranks)
         hops = 1 if kind == "p2p" else max(1, (ranks - 1).bit_length())
-        return share * nbytes / cost.bandwidth + (2 if kind == "all_reduce" else 1) * hops * cost.latency
+        latency = (2 if kind == "all_reduce" else 1) * hops * cost.latency
+        return share * nbytes / cost.bandwidth + messages * latency
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,20 @@ class Cluster:
         return self.peak_flops[compute_dtype] * self.efficiency
 
     def link(self, group_size: int, stride: int) -> Link:
-        """The link a group of `group_size` ranks `stride` apart in the rank order crosses: between nodes
-        when it spans more than one node's devices, else inside one."""
-        return self.inter if group_size * stride > self.devices_per_node else self.intra
+        """The link a group of `group_size` ranks `stride` apart in the rank order crosses: inside one node when
+        the group fits in one node's devices; else between nodes, where a collective's rings use the NICs of all
+        the group's k ranks on a node (one NIC per GPU, rail-optimised, as NCCL does): k × a NIC's bandwidth, up
+        to the bandwidth inside the node (a point-to-point send uses one NIC)."""
+        if group_size * stride <= self.devices_per_node:
+            return self.intra
+        nics = max(1, min(group_size, self.devices_per_node // stride))
+
+        def across(kind: str, cost: Cost) -> Cost:
+            if kind == "p2p":
+                return cost
+            return Cost(min(nics * cost.bandwidth, self.intra.costs[kind].bandwidth), cost.latency)
+
+        return Link({kind: across(kind, cost) for kind, cost in self.inter.costs.items()})
 
 
 def _gpu(

@@ -267,17 +267,18 @@ def _data_parallel_comm(
     hide = cluster.overlap
     if cand.strategy == "ddp":
         link = cluster.link(cand.dp_replicate, cand.tp)
-        total = link.time("all_reduce", 4 * unsharded, cand.dp_replicate)
+        buckets = max(1, math.ceil(4 * unsharded / DDP_BUCKET_BYTES))
+        total = link.time("all_reduce", 4 * unsharded, cand.dp_replicate, messages=buckets)
         last_bucket = total * min(1.0, DDP_BUCKET_BYTES / (4 * unsharded))
         return max(last_bucket, total - hide * backward)
     units = spec.blocks_of_stage(est.stage, cand.pp) + 1
     shard_link = cluster.link(cand.dp_shard, cand.tp)
-    gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard)
+    gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard, messages=units)
     regather = gather if cand.kind != "fsdp-grad-op" else 0.0
-    reduce = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard)
+    reduce = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard, messages=units)
     if cand.dp_replicate > 1:
         replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
-        reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate)
+        reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate, messages=units)
     # FSDP2 copies each gathered unit out of the all-gather buffer, and each unsharded gradient into the
     # reduce-scatter buffer: memory-bound copies (read + write) on the critical path
     gather_copies = 2 * unsharded * precision.gather * (2 if regather else 1) / cluster.mem_bandwidth

@@ -22,6 +22,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--measured", help="a saved plan_measure.py JSON (default: measure now)")
+    parser.add_argument("--measured", help="a saved plan_measure.py or plan_validate.py JSON (default: measure now)")
     parser.add_argument("--calibration", help="a saved calibration (default: calibrate now, with the same model)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per layout when measuring")
     parser.add_argument("--json")
@@ -190,7 +191,13 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot, title)
     if args.json:
-        out = {"command": " ".join(sys.argv), "cluster": cluster.calibrated, "summary": figures, "rows": rows}
+        out = {
+            "command": " ".join(sys.argv),
+            "calibration": asdict(cluster),
+            "summary": figures,
+            "rows": rows,
+            "layouts": measured,  # the measurements themselves: --measured reads them back
+        }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 

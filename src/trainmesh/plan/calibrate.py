@@ -1,6 +1,6 @@
 """`trainmesh plan --calibrate`: measure this machine and save what the plan needs to know about it.
 
-Three measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
+Four measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
 reproduces them:
 
 - compute: the configured GPT (its shape and precision), one process, forward + backward timed over a few steps
@@ -10,6 +10,9 @@ reproduces them:
   twice, are timed right.
 - memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
   32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
+- tensor parallelism (CPU, two processes): the model at parallel.tp=2, timed alike; the share of the per-token
+  work it did not divide (`tp_unsplit`: replicated LayerNorms and loss, DTensor's dispatch) is what the estimate,
+  with its all-reduces costed on the measured links, leaves unexplained.
 - collectives (CPU: two gloo processes on this machine): all-reduce, all-gather, reduce-scatter and a
   send/receive at sizes from 1 KiB to 16 MiB; for each, latency and bandwidth fitted by least squares to the
   link model of cluster.py. On a GPU machine with one device there is no peer: the links stay the preset's.
@@ -33,12 +36,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainmesh.config import Config
+from trainmesh.config.schema import DistConfig, ParallelConfig
 from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, save_calibration
 from trainmesh.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, Precision
+from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
+from trainmesh.plan.search import Workload, estimate
 from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
+from trainmesh.recipes.gpt.parallel import parallelize_gpt
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.testing import run_distributed
 from trainmesh.train.optim import build_optimizer
 
@@ -58,6 +68,14 @@ def calibrate(config: Config, path: Path) -> Cluster:
     compute = run_distributed(_time_model, 1, (config, [config.train.micro_batch, small]), timeout_s=900)[0]
     links = _measure_links() if device == "cpu" else None
     cluster = _cluster(config, device, compute, links)
+    if (
+        links is not None
+        and (os.cpu_count() or 1) >= 2
+        and ModelSpec(model).n_head % 2 == 0
+        and model.vocab_size % 2 == 0
+    ):
+        seconds = max(run_distributed(_time_tensor_parallel, 2, (config,), timeout_s=900))
+        cluster = replace(cluster, tp_unsplit=_fit_tensor_parallel(config, cluster, seconds))
     save_calibration(cluster, path)
     log.info(
         "calibration saved to %s: %.3g GFLOP/s, %.3g GB/s memory, all-reduce %.3g GB/s",
@@ -130,6 +148,19 @@ def _resident() -> float:
     return 0.0
 
 
+def _fit_tensor_parallel(config: Config, cluster: Cluster, seconds: float) -> float:
+    """The share of the per-token work that tensor parallelism over 2 ranks left whole (Cluster.tp_unsplit), from
+    the measured forward + backward `seconds` of parallel.tp=2: what the estimate, with every FLOP divided and its
+    tensor-parallel all-reduces, leaves unexplained, over the half of the work it took as divided."""
+    micro = config.train.micro_batch
+    work = Workload.from_config(config, micro)
+    divided = estimate(work, Candidate("single", 1, 2, 1, 1, 0, micro, 1), replace(cluster, devices_per_node=2))
+    dtype = work.precision.compute_dtype(config.train.tf32 and cluster.device == "cuda")
+    per_token_work = work.spec.train_flops_per_token() * micro * work.spec.seq / cluster.flops(dtype)
+    unexplained = seconds - divided.time["compute"] - divided.time["comm"]
+    return min(1.0, max(0.0, unexplained / (per_token_work / 2)))
+
+
 def _fit_compute(spec: ModelSpec, seconds: dict[int, float]) -> tuple[float, float]:
     """(FLOP/s, seconds per step that do not grow with tokens) from forward + backward times at two micro-batches:
     t = overhead + FLOPs / rate. A measurement whose small micro-batch is not faster gives no overhead."""
@@ -144,8 +175,8 @@ def _fit_compute(spec: ModelSpec, seconds: dict[int, float]) -> tuple[float, flo
 
 
 def _time_model(rank: int, config: Config, micro_batches: list[int]) -> dict[str, Any]:
-    """Median forward + backward seconds of `config`'s GPT on this device (one process) at each micro-batch, and
-    of the optimizer step."""
+    """Median forward + backward seconds of `config`'s GPT on this device (one process) at each micro-batch (timed
+    in turns, so that a drift of the machine affects each alike), and of the optimizer step with clipping."""
     del rank
     dist.init_process_group("gloo")
     rss = _resident()
@@ -153,34 +184,52 @@ def _time_model(rank: int, config: Config, micro_batches: list[int]) -> dict[str
     cfg = config.model
     assert isinstance(cfg, GPTConfig)
     model = GPT(cfg).to(device)
-    optimizer = build_optimizer(model, config.optim, device)
-    precision = config.train.precision
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if precision == "bf16-true":
+    if config.train.precision == "bf16-true":
         model.to(torch.bfloat16)
-    fb: dict[int, float] = {}
+    optimizer = build_optimizer(model, config.optim, device)
+    times: dict[int, list[float]] = {micro: [] for micro in micro_batches}
     opt: list[float] = []
-    for micro in micro_batches:
-        batch = torch.randint(cfg.vocab_size, (micro, cfg.block_size + 1), device=device)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        times = []
-        for step in range(WARMUP + STEPS):
-            _sync(device)
+    for step in range(WARMUP + STEPS):
+        for micro in micro_batches:
+            seconds = _forward_backward(model, config, micro, device)
             start = time.perf_counter()
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = summed_lm_loss(model(inputs), targets)
-            loss.backward()
-            _sync(device)
-            middle = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in training
             _sync(device)
             if step >= WARMUP:
-                times.append(middle - start)
-                opt.append(time.perf_counter() - middle)
-        fb[micro] = statistics.median(times)
+                times[micro].append(seconds)
+                opt.append(time.perf_counter() - start)
+    fb = {micro: statistics.median(t) for micro, t in times.items()}
     return {"forward_backward_s": fb, "optimizer_s": statistics.median(opt), "rss_before_model": rss}
+
+
+def _forward_backward(model: nn.Module, config: Config, micro: int, device: torch.device) -> float:
+    """Seconds of one forward + backward of `model` on `micro` random sequences, in `config`'s precision."""
+    cfg = config.model
+    assert isinstance(cfg, GPTConfig)
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.train.precision)
+    batch = torch.randint(cfg.vocab_size, (micro, cfg.block_size + 1), device=device)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = summed_lm_loss(model(batch[:, :-1]), batch[:, 1:])
+    loss.backward()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _time_tensor_parallel(rank: int, config: Config) -> float:
+    """Median forward + backward seconds of `config`'s GPT cut over this process and another (parallel.tp=2, on
+    the CPU with gloo), set up as trainmesh sets it up."""
+    del rank
+    parallel = ParallelConfig(tp=2)
+    runtime = Runtime(precision=config.train.precision, parallel=parallel, dist=DistConfig(device="cpu"), seed=0)
+    cfg = config.model
+    assert isinstance(cfg, GPTConfig)
+    model = runtime.setup(GPT(cfg), plan=ParallelPlan(tensor_parallel=parallelize_gpt))
+    times = [_forward_backward(model, config, config.train.micro_batch, runtime.device) for _ in range(WARMUP + STEPS)]
+    return statistics.median(times[WARMUP:])
 
 
 def _sync(device: torch.device) -> None:

@@ -91,6 +91,9 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds of a whole model's forward + backward that do not grow with its tokens (kernel launches, Python):
     calibrated; 0 in the presets, whose efficiency stands for it."""
+    tp_unsplit: float = 0.0
+    """The share of a step's per-token work that tensor parallelism does not divide (replicated LayerNorms and
+    loss, DTensor's dispatch): calibrated where two processes can run; 0 in the presets (Megatron's assumption)."""
     calibrated: str = ""
     """Where the figures were measured (a calibration file), or '' for a preset's assumptions."""
     notes: tuple[str, ...] = field(default=())

@@ -217,8 +217,9 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
         # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp:
         # each rank launches every kernel) and once per piece
         fixed = cluster.step_overhead * (3 * forward + recompute) / (3 * whole)
-        compute = tokens * (3 * forward + recompute) / cand.tp / flops + fixed
-        backward = tokens * (2 * forward + recompute) / cand.tp / flops + fixed * 2 / 3
+        split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
+        compute = tokens * (3 * forward + recompute) * split / flops + fixed
+        backward = tokens * (2 * forward + recompute) * split / flops + fixed * 2 / 3
         comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
         if first:
             comm += tp_link.time("all_reduce", act_bytes, cand.tp)

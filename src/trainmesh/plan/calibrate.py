@@ -1,6 +1,6 @@
 """`trainmesh plan --calibrate`: measure this machine and save what the plan needs to know about it.
 
-Four measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
+Five measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
 reproduces them:
 
 - compute: the configured GPT (its shape and precision), one process, forward + backward timed over a few steps
@@ -10,6 +10,8 @@ reproduces them:
   twice, are timed right.
 - memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
   32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
+- contention (CPU): the same step in one process per core at once; how much slower the slowest is than the
+  process alone (`busy_slowdown`: cores share memory bandwidth and caches, GPUs do not).
 - tensor parallelism (CPU, two processes): the model at parallel.tp=2, timed alike; the share of the per-token
   work it did not divide (`tp_unsplit`: replicated LayerNorms and loss, DTensor's dispatch) is what the estimate,
   with its all-reduces costed on the measured links, leaves unexplained.
@@ -55,6 +57,9 @@ from trainmesh.train.optim import build_optimizer
 log = logging.getLogger("trainmesh")
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 WARMUP, STEPS = 2, 5
+# torch 2.13 renames the tensor forms of all-gather and reduce-scatter (the old names warn); older torch has only those
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def calibrate(config: Config, path: Path) -> Cluster:
@@ -68,14 +73,8 @@ def calibrate(config: Config, path: Path) -> Cluster:
     compute = run_distributed(_time_model, 1, (config, [config.train.micro_batch, small]), timeout_s=900)[0]
     links = _measure_links() if device == "cpu" else None
     cluster = _cluster(config, device, compute, links)
-    if (
-        links is not None
-        and (os.cpu_count() or 1) >= 2
-        and ModelSpec(model).n_head % 2 == 0
-        and model.vocab_size % 2 == 0
-    ):
-        seconds = max(run_distributed(_time_tensor_parallel, 2, (config,), timeout_s=900))
-        cluster = replace(cluster, tp_unsplit=_fit_tensor_parallel(config, cluster, seconds))
+    if links is not None and (os.cpu_count() or 1) >= 2:
+        cluster = _calibrate_sharing(config, cluster, compute)
     save_calibration(cluster, path)
     log.info(
         "calibration saved to %s: %.3g GFLOP/s, %.3g GB/s memory, all-reduce %.3g GB/s",
@@ -85,6 +84,22 @@ def calibrate(config: Config, path: Path) -> Cluster:
         cluster.intra.costs["all_reduce"].bandwidth / 1e9,
     )
     return cluster
+
+
+def _calibrate_sharing(config: Config, cluster: Cluster, compute: dict[str, Any]) -> Cluster:
+    """On a CPU: how much slower a core computes when every core does (`busy_slowdown`), and the share of the work
+    tensor parallelism over two processes does not divide (`tp_unsplit`)."""
+    model = config.model
+    assert isinstance(model, GPTConfig)
+    micro = config.train.micro_batch
+    busy = run_distributed(_time_model, os.cpu_count() or 1, (config, [micro]), timeout_s=900)
+    alone = compute["forward_backward_s"][micro] + compute["optimizer_s"]
+    slowest = max(r["forward_backward_s"][micro] + r["optimizer_s"] for r in busy)
+    cluster = replace(cluster, busy_slowdown=max(1.0, slowest / alone))
+    if model.n_head % 2 or model.vocab_size % 2:
+        return cluster
+    seconds = max(run_distributed(_time_tensor_parallel, 2, (config,), timeout_s=900))
+    return replace(cluster, tp_unsplit=_fit_tensor_parallel(config, cluster, seconds))
 
 
 def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link | None) -> Cluster:
@@ -282,7 +297,7 @@ def _time_collectives(rank: int, sizes: list[int]) -> dict[str, list[float]]:
 def _collectives(rank: int, full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], Any]]:
     return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather": lambda: _ALL_GATHER(full, part),
+        "reduce_scatter": lambda: _REDUCE_SCATTER(part, full),
         "p2p": lambda: dist.send(full, 1) if rank == 0 else dist.recv(full, 0),
     }

@@ -91,6 +91,9 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds of a whole model's forward + backward that do not grow with its tokens (kernel launches, Python):
     calibrated; 0 in the presets, whose efficiency stands for it."""
+    busy_slowdown: float = 1.0
+    """How much longer a device computes while every device of its node computes too: CPU cores share memory
+    bandwidth and caches (calibrated); 1 for GPUs."""
     tp_unsplit: float = 0.0
     """The share of a step's per-token work that tensor parallelism does not divide (replicated LayerNorms and
     loss, DTensor's dispatch): calibrated where two processes can run; 0 in the presets (Megatron's assumption)."""

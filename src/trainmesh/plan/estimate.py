@@ -199,6 +199,9 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
     """Fill `est.time`: seconds per optimizer step by TIME_PARTS, for the slowest pipeline stage."""
     cand = est.candidate
     flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda"))
+    ranks_here = min(cand.dp * cand.tp * cand.pp, cluster.devices_per_node)
+    slowdown = cluster.busy_slowdown if ranks_here > 1 else 1.0  # devices of a node sharing memory (CPU cores)
+    flops /= slowdown
     piece = cand.micro_batch // cand.microbatches
     tokens = piece * spec.seq
     act_bytes = tokens * spec.n_embd * precision.activation
@@ -216,7 +219,7 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
         recompute = checkpointed * spec.matmul_flops_per_token(side="block")
         # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp:
         # each rank launches every kernel) and once per piece
-        fixed = cluster.step_overhead * (3 * forward + recompute) / (3 * whole)
+        fixed = cluster.step_overhead * slowdown * (3 * forward + recompute) / (3 * whole)
         split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
         compute = tokens * (3 * forward + recompute) * split / flops + fixed
         backward = tokens * (2 * forward + recompute) * split / flops + fixed * 2 / 3
@@ -251,7 +254,7 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
         copies = accum * 2 * local * precision.gather + local * 4  # shards up for each gather, gradients down
         time["offload"] = copies / cluster.host.bandwidth
     else:
-        time["optimizer"] = optimizer_bytes / cluster.mem_bandwidth
+        time["optimizer"] = optimizer_bytes / cluster.mem_bandwidth * slowdown
     est.time = time
 
 

@@ -12,7 +12,7 @@ import torch
 
 from trainmesh.config import ConfigError
 from trainmesh.job import load_config
-from trainmesh.plan.calibrate import SIZES, _fit
+from trainmesh.plan.calibrate import SIZES, _fit, _fit_compute, _fit_tensor_parallel
 from trainmesh.plan.cluster import PRESETS, Cost, Link, get_cluster, load_calibration, save_calibration
 from trainmesh.plan.estimate import Precision, pieces_in_flight
 from trainmesh.plan.layouts import Candidate, candidates
@@ -158,3 +158,35 @@ def test_precision_sizes_and_bad_input() -> None:
     with pytest.raises(ValueError, match="not supported"):
         Workload.from_config(load_config(None, [], "resnet"), 8)
     assert ConfigError  # the command turns these into ConfigErrors (exit 2): tests/e2e/test_plan_cli.py
+
+
+def test_calibration_recovers_the_compute_rate_and_the_tensor_parallel_share() -> None:
+    """What calibrate fits from its timings is what the estimate then reproduces: the FLOP rate and fixed cost per
+    step from two micro-batches, and the share tensor parallelism leaves undivided from one tp=2 timing."""
+    config = _config("--train.micro_batch=8")
+    spec = ModelSpec(config.model)  # type: ignore[arg-type]
+    rate, fixed = 2e10, 0.004
+    seconds = {b: fixed + spec.train_flops_per_token() * spec.seq * b / rate for b in (8, 2)}
+    assert _fit_compute(spec, seconds) == pytest.approx((rate, fixed))
+    assert _fit_compute(spec, {8: seconds[8]}) == pytest.approx(
+        (spec.train_flops_per_token() * spec.seq * 8 / seconds[8], 0)
+    )
+    cpu = dataclasses.replace(
+        PRESETS["a100"],
+        device="cpu",
+        peak_flops=dict.fromkeys(("bf16", "tf32", "fp32"), rate),
+        efficiency=1.0,
+        step_overhead=fixed,
+        devices_per_node=2,
+        busy_slowdown=1.3,
+        tp_unsplit=0.35,
+    )
+    work = Workload.from_config(config, 8)
+    measured = estimate(work, Candidate("single", 1, 2, 1, 1, 0, 8, 1), cpu)
+    tp_seconds = measured.time["compute"] + measured.time["comm"]
+    assert _fit_tensor_parallel(config, dataclasses.replace(cpu, tp_unsplit=0.0), tp_seconds) == pytest.approx(0.35)
+    # a busy node slows every multi-process layout's compute and optimizer, not one process alone
+    alone = estimate(work, Candidate("single", 1, 1, 1, 1, 0, 8, 1), cpu)
+    ddp = estimate(Workload.from_config(config, 16), Candidate("ddp", 1, 1, 2, 1, 0, 8, 1), cpu)
+    assert ddp.time["compute"] == pytest.approx(1.3 * alone.time["compute"])
+    assert ddp.time["optimizer"] == pytest.approx(1.3 * alone.time["optimizer"])

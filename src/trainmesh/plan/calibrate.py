@@ -7,7 +7,8 @@ reproduces them:
   after warm-up, at the configured micro-batch and at a quarter of it; the two medians give a time per step that
   does not grow with the tokens (kernel launches, Python: `step_overhead`) and the achievable FLOP/s of the rest
   (model.py's FLOP count), so that pipeline pieces and checkpointed blocks, which run the model on fewer tokens or
-  twice, are timed right.
+  twice, are timed right; and the forward's share of the time (`forward_share`: what recomputing a checkpointed
+  block costs, and how much backward there is for communication to hide behind).
 - memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
   32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
 - contention (CPU): the same step in one process per core at once; how much slower the slowest is than the
@@ -120,6 +121,7 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
             efficiency=1.0 if dtype in preset.peak_flops else preset.efficiency,
             mem_bandwidth=bandwidth,
             step_overhead=overhead,
+            forward_share=compute["forward_share"],
             calibrated=source,
             notes=(f"calibrated {dtype} only; links are the {preset.name} preset's (one device: no peer to time)",),
         )
@@ -141,6 +143,7 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
         overhead=compute["rss_before_model"],
         overlap=0.0,
         step_overhead=overhead,
+        forward_share=compute["forward_share"],
         calibrated=source,
         notes=(
             f"CPU: one process per core, one thread each; FLOP/s measured in {config.train.precision} only",
@@ -171,7 +174,9 @@ def _fit_tensor_parallel(config: Config, cluster: Cluster, seconds: float) -> fl
     work = Workload.from_config(config, micro)
     divided = estimate(work, Candidate("single", 1, 2, 1, 1, 0, micro, 1), replace(cluster, devices_per_node=2))
     dtype = work.precision.compute_dtype(config.train.tf32 and cluster.device == "cuda")
+    # as the estimate takes it: two processes at once, each slowed by sharing the node
     per_token_work = work.spec.train_flops_per_token() * micro * work.spec.seq / cluster.flops(dtype)
+    per_token_work *= cluster.busy_slowdown
     unexplained = seconds - divided.time["compute"] - divided.time["comm"]
     return min(1.0, max(0.0, unexplained / (per_token_work / 2)))
 
@@ -190,8 +195,8 @@ def _fit_compute(spec: ModelSpec, seconds: dict[int, float]) -> tuple[float, flo
 
 
 def _time_model(rank: int, config: Config, micro_batches: list[int]) -> dict[str, Any]:
-    """Median forward + backward seconds of `config`'s GPT on this device (one process) at each micro-batch (timed
-    in turns, so that a drift of the machine affects each alike), and of the optimizer step with clipping."""
+    """Median forward + backward seconds of `config`'s GPT on this device (one process) at each micro-batch, the
+    forward's share of them (at the first), and the median optimizer step with clipping."""
     del rank
     dist.init_process_group("gloo")
     rss = _resident()
@@ -202,25 +207,33 @@ def _time_model(rank: int, config: Config, micro_batches: list[int]) -> dict[str
     if config.train.precision == "bf16-true":
         model.to(torch.bfloat16)
     optimizer = build_optimizer(model, config.optim, device)
-    times: dict[int, list[float]] = {micro: [] for micro in micro_batches}
+    fb: dict[int, float] = {}
+    forward: list[float] = []
     opt: list[float] = []
-    for step in range(WARMUP + STEPS):
-        for micro in micro_batches:
+    for micro in micro_batches:  # one block of steps each: alternating shapes would cost the allocator time
+        times = []
+        for step in range(WARMUP + STEPS):
             seconds = _forward_backward(model, config, micro, device)
             start = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in training
+            optimizer.zero_grad(set_to_none=True)  # as the training loop does
             _sync(device)
             if step >= WARMUP:
-                times[micro].append(seconds)
+                times.append(seconds)
                 opt.append(time.perf_counter() - start)
-    fb = {micro: statistics.median(t) for micro, t in times.items()}
-    return {"forward_backward_s": fb, "optimizer_s": statistics.median(opt), "rss_before_model": rss}
+                forward += [seconds[0] / sum(seconds)] if micro == micro_batches[0] else []
+        fb[micro] = statistics.median(sum(t) for t in times)
+    return {
+        "forward_backward_s": fb,
+        "forward_share": statistics.median(forward),
+        "optimizer_s": statistics.median(opt),
+        "rss_before_model": rss,
+    }
 
 
-def _forward_backward(model: nn.Module, config: Config, micro: int, device: torch.device) -> float:
-    """Seconds of one forward + backward of `model` on `micro` random sequences, in `config`'s precision."""
+def _forward_backward(model: nn.Module, config: Config, micro: int, device: torch.device) -> tuple[float, float]:
+    """Seconds of one forward and of its backward of `model` on `micro` random sequences, in `config`'s precision."""
     cfg = config.model
     assert isinstance(cfg, GPTConfig)
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.train.precision)
@@ -229,9 +242,11 @@ def _forward_backward(model: nn.Module, config: Config, micro: int, device: torc
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         loss = summed_lm_loss(model(batch[:, :-1]), batch[:, 1:])
+    _sync(device)
+    middle = time.perf_counter()
     loss.backward()
     _sync(device)
-    return time.perf_counter() - start
+    return middle - start, time.perf_counter() - middle
 
 
 def _time_tensor_parallel(rank: int, config: Config) -> float:
@@ -244,7 +259,7 @@ def _time_tensor_parallel(rank: int, config: Config) -> float:
     assert isinstance(cfg, GPTConfig)
     model = runtime.setup(GPT(cfg), plan=ParallelPlan(tensor_parallel=parallelize_gpt))
     times = [_forward_backward(model, config, config.train.micro_batch, runtime.device) for _ in range(WARMUP + STEPS)]
-    return statistics.median(times[WARMUP:])
+    return statistics.median(sum(t) for t in times[WARMUP:])
 
 
 def _sync(device: torch.device) -> None:

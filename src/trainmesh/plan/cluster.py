@@ -91,6 +91,8 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds of a whole model's forward + backward that do not grow with its tokens (kernel launches, Python):
     calibrated; 0 in the presets, whose efficiency stands for it."""
+    forward_share: float = 1 / 3
+    """The forward's share of a forward + backward's time: its share of the FLOPs (1/3) unless calibrated."""
     busy_slowdown: float = 1.0
     """How much longer a device computes while every device of its node computes too: CPU cores share memory
     bandwidth and caches (calibrated); 1 for GPUs."""

@@ -217,12 +217,15 @@ def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Clu
             spec.matmul_flops_per_token(side="head") if last else 0
         )
         recompute = checkpointed * spec.matmul_flops_per_token(side="block")
+        share = cluster.forward_share  # of a forward + backward's time
         # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp:
         # each rank launches every kernel) and once per piece
-        fixed = cluster.step_overhead * slowdown * (3 * forward + recompute) / (3 * whole)
+        fixed = cluster.step_overhead * slowdown * (forward + share * recompute) / whole
         split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
-        compute = tokens * (3 * forward + recompute) * split / flops + fixed
-        backward = tokens * (2 * forward + recompute) * split / flops + fixed * 2 / 3
+        work = tokens * 3 * forward * split / flops
+        again = tokens * 3 * recompute * split / flops * share  # the checkpointed blocks' second forward
+        compute = work + again + fixed
+        backward = (1 - share) * (work + fixed) + again
         comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
         if first:
             comm += tp_link.time("all_reduce", act_bytes, cand.tp)

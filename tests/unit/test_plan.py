@@ -12,7 +12,7 @@ import torch
 
 from trainmesh.config import ConfigError
 from trainmesh.job import load_config
-from trainmesh.plan.calibrate import SIZES, _fit, _fit_compute, _fit_tensor_parallel
+from trainmesh.plan.calibrate import SIZES, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
 from trainmesh.plan.cluster import PRESETS, Cost, Link, get_cluster, load_calibration, save_calibration
 from trainmesh.plan.estimate import Precision, pieces_in_flight
 from trainmesh.plan.layouts import Candidate, candidates
@@ -185,6 +185,10 @@ def test_calibration_recovers_the_compute_rate_and_the_tensor_parallel_share() -
     measured = estimate(work, Candidate("single", 1, 2, 1, 1, 0, 8, 1), cpu)
     tp_seconds = measured.time["compute"] + measured.time["comm"]
     assert _fit_tensor_parallel(config, dataclasses.replace(cpu, tp_unsplit=0.0), tp_seconds) == pytest.approx(0.35)
+    cpu = dataclasses.replace(cpu, fsdp_unit_overhead=0.002)
+    sharded = estimate(Workload.from_config(config, 16), Candidate("fsdp", 1, 1, 1, 2, 0, 8, 1), cpu)
+    fsdp_seconds = sharded.time["compute"] + sharded.time["comm"]
+    assert _fit_fsdp(config, dataclasses.replace(cpu, fsdp_unit_overhead=0.0), fsdp_seconds) == pytest.approx(0.002)
     # a busy node slows every multi-process layout's compute and optimizer, not one process alone
     alone = estimate(work, Candidate("single", 1, 1, 1, 1, 0, 8, 1), cpu)
     ddp = estimate(Workload.from_config(config, 16), Candidate("ddp", 1, 1, 2, 1, 0, 8, 1), cpu)

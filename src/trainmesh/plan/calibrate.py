@@ -1,6 +1,6 @@
 """`trainmesh plan --calibrate`: measure this machine and save what the plan needs to know about it.
 
-Five measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
+Six measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
 reproduces them:
 
 - compute: the configured GPT (its shape and precision), one process, forward + backward timed over a few steps
@@ -13,9 +13,10 @@ reproduces them:
   32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
 - contention (CPU): the same step in one process per core at once; how much slower the slowest is than the
   process alone (`busy_slowdown`: cores share memory bandwidth and caches, GPUs do not).
-- tensor parallelism (CPU, two processes): the model at parallel.tp=2, timed alike; the share of the per-token
-  work it did not divide (`tp_unsplit`: replicated LayerNorms and loss, DTensor's dispatch) is what the estimate,
-  with its all-reduces costed on the measured links, leaves unexplained.
+- tensor parallelism and FSDP (CPU, two processes): the model at parallel.tp=2 and under fsdp, timed alike; the
+  share of the per-token work tensor parallelism did not divide (`tp_unsplit`: replicated LayerNorms and loss,
+  DTensor's dispatch), and FSDP's own time per unit (`fsdp_unit_overhead`: its hooks and bookkeeping), are what
+  the estimate, with the collectives costed on the measured links, leaves unexplained.
 - collectives (CPU: two gloo processes on this machine): all-reduce, all-gather, reduce-scatter and a
   send/receive at sizes from 1 KiB to 16 MiB; for each, latency and bandwidth fitted by least squares to the
   link model of cluster.py. On a GPU machine with one device there is no peer: the links stay the preset's.
@@ -88,8 +89,9 @@ def calibrate(config: Config, path: Path) -> Cluster:
 
 
 def _calibrate_sharing(config: Config, cluster: Cluster, compute: dict[str, Any]) -> Cluster:
-    """On a CPU: how much slower a core computes when every core does (`busy_slowdown`), and the share of the work
-    tensor parallelism over two processes does not divide (`tp_unsplit`)."""
+    """On a CPU: how much slower a core computes when every core does (`busy_slowdown`), the share of the work
+    tensor parallelism over two processes does not divide (`tp_unsplit`), and FSDP's own time per unit
+    (`fsdp_unit_overhead`)."""
     model = config.model
     assert isinstance(model, GPTConfig)
     micro = config.train.micro_batch
@@ -97,9 +99,11 @@ def _calibrate_sharing(config: Config, cluster: Cluster, compute: dict[str, Any]
     alone = compute["forward_backward_s"][micro] + compute["optimizer_s"]
     slowest = max(r["forward_backward_s"][micro] + r["optimizer_s"] for r in busy)
     cluster = replace(cluster, busy_slowdown=max(1.0, slowest / alone))
+    fsdp = max(run_distributed(_time_layout, 2, (config, "fsdp", ParallelConfig()), timeout_s=900))
+    cluster = replace(cluster, fsdp_unit_overhead=_fit_fsdp(config, cluster, fsdp))
     if model.n_head % 2 or model.vocab_size % 2:
         return cluster
-    seconds = max(run_distributed(_time_tensor_parallel, 2, (config,), timeout_s=900))
+    seconds = max(run_distributed(_time_layout, 2, (config, "auto", ParallelConfig(tp=2)), timeout_s=900))
     return replace(cluster, tp_unsplit=_fit_tensor_parallel(config, cluster, seconds))
 
 
@@ -181,6 +185,17 @@ def _fit_tensor_parallel(config: Config, cluster: Cluster, seconds: float) -> fl
     return min(1.0, max(0.0, unexplained / (per_token_work / 2)))
 
 
+def _fit_fsdp(config: Config, cluster: Cluster, seconds: float) -> float:
+    """FSDP's own seconds per unit per micro-step (Cluster.fsdp_unit_overhead: its hooks, bookkeeping and the
+    copies the estimate does not see), from the measured forward + backward `seconds` of fsdp over 2 ranks: what
+    the estimate leaves unexplained, per unit."""
+    micro = config.train.micro_batch
+    work = Workload.from_config(config, 2 * micro)
+    sharded = estimate(work, Candidate("fsdp", 1, 1, 1, 2, 0, micro, 1), replace(cluster, devices_per_node=2))
+    units = work.spec.n_layer + 1
+    return max(0.0, (seconds - sharded.time["compute"] - sharded.time["comm"]) / units)
+
+
 def _fit_compute(spec: ModelSpec, seconds: dict[int, float]) -> tuple[float, float]:
     """(FLOP/s, seconds per step that do not grow with tokens) from forward + backward times at two micro-batches:
     t = overhead + FLOPs / rate. A measurement whose small micro-batch is not faster gives no overhead."""
@@ -249,12 +264,12 @@ def _forward_backward(model: nn.Module, config: Config, micro: int, device: torc
     return middle - start, time.perf_counter() - middle
 
 
-def _time_tensor_parallel(rank: int, config: Config) -> float:
-    """Median forward + backward seconds of `config`'s GPT cut over this process and another (parallel.tp=2, on
-    the CPU with gloo), set up as trainmesh sets it up."""
+def _time_layout(rank: int, config: Config, strategy: str, parallel: ParallelConfig) -> float:
+    """Median forward + backward seconds of `config`'s GPT on this process and its peers (on the CPU, gloo) under
+    `strategy` and `parallel`, set up as trainmesh sets it up."""
     del rank
-    parallel = ParallelConfig(tp=2)
-    runtime = Runtime(precision=config.train.precision, parallel=parallel, dist=DistConfig(device="cpu"), seed=0)
+    cpu = DistConfig(device="cpu")
+    runtime = Runtime(strategy=strategy, precision=config.train.precision, parallel=parallel, dist=cpu, seed=0)
     cfg = config.model
     assert isinstance(cfg, GPTConfig)
     model = runtime.setup(GPT(cfg), plan=ParallelPlan(tensor_parallel=parallelize_gpt))

@@ -96,6 +96,9 @@ class Cluster:
     busy_slowdown: float = 1.0
     """How much longer a device computes while every device of its node computes too: CPU cores share memory
     bandwidth and caches (calibrated); 1 for GPUs."""
+    fsdp_unit_overhead: float = 0.0
+    """Seconds FSDP spends per unit per micro-step besides communicating (hooks, bookkeeping): calibrated where two
+    processes can run; 0 in the presets."""
     tp_unsplit: float = 0.0
     """The share of a step's per-token work that tensor parallelism does not divide (replicated LayerNorms and
     loss, DTensor's dispatch): calibrated where two processes can run; 0 in the presets (Megatron's assumption)."""

@@ -287,11 +287,12 @@ def _data_parallel_comm(
         replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
         reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate, messages=units)
     # FSDP2 copies each gathered unit out of the all-gather buffer, and each unsharded gradient into the
-    # reduce-scatter buffer: memory-bound copies (read + write) on the critical path
+    # reduce-scatter buffer: memory-bound copies (read + write) on the critical path; and its calibrated own time
+    # per unit
     gather_copies = 2 * unsharded * precision.gather * (2 if regather else 1) / cluster.mem_bandwidth
     reduce_copies = 2 * unsharded * 4 / cluster.mem_bandwidth
     forward = micro - backward
-    per_micro = gather_copies + max(gather / units, gather - hide * forward)
+    per_micro = gather_copies + units * cluster.fsdp_unit_overhead + max(gather / units, gather - hide * forward)
     per_micro += max(regather / units, regather - hide * backward)
     last = reduce_copies + max(reduce / units, reduce - hide * backward)  # gradients reduce once, at the end
     return accum * per_micro + last

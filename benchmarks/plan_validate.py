@@ -31,7 +31,7 @@ from trainmesh.job import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
 from trainmesh.plan.calibrate import calibrate
 from trainmesh.plan.cluster import Cluster, load_calibration
-from trainmesh.plan.estimate import Estimate, Precision, stage_memory, step_time
+from trainmesh.plan.estimate import Estimate, PrecisionBytes, stage_memory, step_time
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
 
@@ -51,7 +51,7 @@ def predict(layout: dict[str, Any], rank: dict[str, Any], cluster: Cluster) -> d
     host is the device) and, for the rank's stage, the step time by phase."""
     job = resolve(load_config(None, layout["overrides"], "gpt"), layout["world_size"])
     cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
-    precision = Precision(job.config.train.precision)
+    precision = PrecisionBytes(job.config.train.precision)
     stage = rank["coords"]["pp"]
     parts, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, stage)
     memory = {k: parts[k] + host.get(k, 0.0) for k in COMPONENTS}

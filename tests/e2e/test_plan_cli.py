@@ -43,22 +43,25 @@ def test_the_table_and_its_run_command(tmp_path: Path, capsys: pytest.CaptureFix
     assert f"params {predicted['params'] / 2**20:.2f}," in checked
 
 
-def test_calibrate_then_plan_on_this_machine(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_calibrate_then_plan_on_this_machine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     calibration = tmp_path / "cache" / "calibration.json"
-    monkeypatch.setenv("TRAINMESH_CALIBRATION", str(calibration))
-    config = str(nano_toml(tmp_path))
-    code, out, err = _plan(capsys, "gpt", "--config", config, "--cluster", "this")
+    config = ["gpt", "--config", str(nano_toml(tmp_path)), "--calibration", str(calibration)]
+    code, out, err = _plan(capsys, *config, "--cluster", "this")
     assert code == 2 and "trainmesh plan --calibrate" in err and not calibration.exists()
-    code, out, err = _plan(capsys, "gpt", "--config", config, "--calibrate", "--cluster", "this", "--top", "3")
+    code, out, err = _plan(capsys, *config, "--calibrate", "--cluster", "this", "--top", "3")
     assert code == 0, err
     saved = json.loads(calibration.read_text())
     assert saved["device"] == "cpu" and saved["peak_flops"]["fp32"] > 1e8 and saved["mem_bandwidth"] > 1e8
     assert all(cost["bandwidth"] > 1e6 for cost in saved["intra"]["costs"].values())
+    assert 0 < saved["forward_share"] < 1 and saved["busy_slowdown"] >= 1 and 0 <= saved["tp_unsplit"] <= 1
     assert "calibrated (" in out and "more (--top" in out
-    code, out, err = _plan(capsys, "gpt", "--config", config, "--cluster", "this")  # reused, not re-measured
+    code, out, err = _plan(capsys, *config, "--cluster", "this")  # reused, not re-measured
     assert code == 0 and "calibrated (" in out
+    # a calibration file that is not one: refused with the fix, not a traceback
+    for garbage in ("{not json", "[]", json.dumps({**saved, "efficiency": 0}), json.dumps({**saved, "intra": []})):
+        calibration.write_text(garbage)
+        code, out, err = _plan(capsys, *config, "--cluster", "this")
+        assert code == 2 and "is not a calibration trainmesh can read" in err and "Traceback" not in err, garbage
 
 
 @pytest.mark.parametrize(
@@ -69,6 +72,9 @@ def test_calibrate_then_plan_on_this_machine(
         (["--devices-per-node", "-1"], "--devices-per-node=-1 must be at least 1"),
         (["--global-batch", "0"], "--global-batch=0 must be at least 1"),
         (["--top", "0"], "--top=0 must be at least 1"),
+        (["--nodes", "100000000"], "plan up to 1,000,000 ranks"),
+        (["--json", "/no/such/folder/plan.json"], "the folder /no/such/folder does not exist"),
+        (["--train.global_batch_tokens=1000"], "is not a whole number of sequences of 32 tokens"),
         (["--model.n_head=5"], "model.n_embd=32 must be divisible by model.n_head=5"),
     ],
 )
@@ -82,5 +88,17 @@ def test_bad_input_is_refused_before_anything_is_written(
 
 
 def test_a_recipe_the_plan_does_not_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _plan(capsys, "resnet")
-    assert code == 2 and "run.recipe='resnet' is not supported" in err
+    for args in (["resnet"], ["resnet", "--calibrate", "--calibration", str(tmp_path / "c.json")]):
+        code, _, err = _plan(capsys, *args)
+        assert code == 2 and "run.recipe='resnet' is not supported" in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_several_nodes_get_a_rendezvous_in_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _plan(
+        capsys, "gpt", "--config", str(nano_toml(tmp_path)), "--nodes", "2", "--parallel.strategy=ddp"
+    )
+    assert code == 0, err
+    command = shlex.split(out.split("Fastest that fits:")[1].splitlines()[1])
+    assert command[command.index("--nnodes") + 1] == "2" and "--rdzv-endpoint" in command
+    assert sum(o.startswith("--parallel.strategy=") for o in command) == 1  # the layout's, not also the user's

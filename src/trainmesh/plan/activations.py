@@ -60,11 +60,19 @@ class GPTActivations:
     """A checkpointed block: its input (held by the checkpoint, outside autograd's saved tensors)."""
     outside: int
     """Embeddings, final LayerNorm, head and loss."""
-    weight_copies: int
-    """Of `total`: autocast's low-precision copies of the matmul weights (mixed precisions; 0 otherwise)."""
+    block_weight_copy: int
+    """Of `per_block`: autocast's low-precision copies of the block's matmul weights (mixed precisions; else 0)."""
+    head_weight_copy: int
+    """Of `outside`: autocast's copy of the tied head weight (mixed precisions; else 0)."""
     recompute_peak: int
     """Held on top of `total` while a checkpointed block's backward runs: its recomputed activations (its
     `per_block` less the input it already holds); 0 without checkpointing."""
+
+    @property
+    def weight_copies(self) -> int:
+        """Of `total`: autocast's weight copies. Cached by autocast, they exist once per autocast region, however
+        many micro-batch pieces a pipeline stage holds."""
+        return (self.n_layer - self.blocks_checkpointed) * self.block_weight_copy + self.head_weight_copy
 
     @property
     def total(self) -> int:
@@ -121,7 +129,8 @@ def gpt_activations(
         per_block=per_block,
         checkpointed_block=input_bytes,
         outside=outside,
-        weight_copies=(n_layer - checkpointed) * block_copies + head_copy,
+        block_weight_copy=block_copies,
+        head_weight_copy=head_copy,
         recompute_peak=per_block - input_bytes if checkpointed else 0,
     )
 

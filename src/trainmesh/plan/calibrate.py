@@ -44,8 +44,8 @@ from torch import nn
 
 from trainmesh.config import Config
 from trainmesh.config.schema import DistConfig, ParallelConfig
-from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, save_calibration
-from trainmesh.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, Precision
+from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, host_memory, save_calibration
+from trainmesh.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, PrecisionBytes
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
 from trainmesh.plan.search import Workload, estimate
@@ -111,7 +111,7 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
     spec = ModelSpec(config.model)  # type: ignore[arg-type]
     flops, overhead = _fit_compute(spec, compute["forward_backward_s"])
     bandwidth = spec.n_params * OPTIMIZER_BYTES_PER_PARAM / compute["optimizer_s"]
-    dtype = Precision(config.train.precision).compute_dtype(config.train.tf32 and device == "cuda")
+    dtype = PrecisionBytes(config.train.precision).compute_dtype(config.train.tf32 and device == "cuda")
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     source = f"{os.uname().nodename}, {when}, GPT {spec.n_params / 1e6:.1f}M in {config.train.precision}"
     if device == "cuda":
@@ -121,20 +121,23 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
             preset,
             name=f"this ({torch.cuda.get_device_name()})",
             memory=float(torch.cuda.get_device_properties(0).total_memory),
-            peak_flops={**preset.peak_flops, dtype: flops},
-            efficiency=1.0 if dtype in preset.peak_flops else preset.efficiency,
+            devices_per_node=torch.cuda.device_count(),
+            efficiency=min(1.0, flops / preset.peak_flops[dtype]),  # of the datasheet peak, which MFU stays against
             mem_bandwidth=bandwidth,
             step_overhead=overhead,
             forward_share=compute["forward_share"],
             calibrated=source,
-            notes=(f"calibrated {dtype} only; links are the {preset.name} preset's (one device: no peer to time)",),
+            notes=(
+                f"efficiency measured in {dtype}; the other precisions are taken at the same fraction of their peak",
+                f"links are the {preset.name} preset's (one process calibrates: no peer to time)",
+            ),
         )
     assert links is not None
     cores = os.cpu_count() or 1
     return Cluster(
         name="this (CPU)",
         device="cpu",
-        memory=_total_memory() / cores,
+        memory=host_memory() / cores,
         devices_per_node=cores,
         nodes=1,
         peak_flops=dict.fromkeys(("bf16", "tf32", "fp32"), flops),
@@ -154,13 +157,6 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
             "CPU: collectives measured between two gloo processes; communication does not overlap compute",
         ),
     )
-
-
-def _total_memory() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return float(line.split()[1]) * 1024
-    raise OSError("no MemTotal in /proc/meminfo")
 
 
 def _resident() -> float:

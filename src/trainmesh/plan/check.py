@@ -1,21 +1,19 @@
 """The memory line of `trainmesh check`: the plan's prediction for the job as configured, on this machine's devices.
 
 The device memory is this machine's: the first GPU's, else the host memory shared by the node's processes. The
-fixed overhead per process is the saved calibration's (`trainmesh plan --calibrate`) when there is one for this
-kind of device, else the GPU presets' 1 GiB (nothing on a CPU).
+fixed overhead per process is the GPU presets' 1 GiB (CUDA context, NCCL and cuBLAS workspaces); on a CPU it is not
+counted. `trainmesh plan --cluster this` uses a calibration's measured figures instead; `check` reads no file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import torch
 
 from trainmesh.job import Job
-from trainmesh.plan.cluster import PRESETS, Cluster, GiB, calibration_path, load_calibration, size_unit
-from trainmesh.plan.estimate import Estimate, Precision, memory
+from trainmesh.plan.cluster import PRESETS, Cluster, GiB, host_memory, size_unit
+from trainmesh.plan.estimate import Estimate, PrecisionBytes, memory_estimate
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -23,41 +21,20 @@ from trainmesh.recipes.gpt.model import GPTConfig
 
 def local_cluster(processes_per_node: int) -> Cluster:
     """This machine as a one-node cluster with `processes_per_node` ranks."""
-    path = calibration_path()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    saved = load_calibration(path) if path.is_file() else None
-    base = saved if saved is not None and saved.device == device else PRESETS["h100"]
-    if device == "cuda":
-        total = float(torch.cuda.get_device_properties(0).total_memory)
-        return dataclasses.replace(base, memory=total, devices_per_node=processes_per_node)
-    overhead = base.overhead if base.device == "cpu" else 0.0
-    return dataclasses.replace(
-        base,
-        device="cpu",
-        memory=_host_memory() / processes_per_node,
-        devices_per_node=processes_per_node,
-        overhead=overhead,
-    )
-
-
-def _host_memory() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    base = dataclasses.replace(PRESETS["h100"], devices_per_node=processes_per_node)
+    if torch.cuda.is_available():
+        return dataclasses.replace(base, memory=float(torch.cuda.get_device_properties(0).total_memory))
+    return dataclasses.replace(base, device="cpu", memory=host_memory() / processes_per_node, overhead=0.0)
 
 
 def predict(job: Job, cluster: Cluster) -> Estimate | None:
     """The most loaded rank's memory for `job` (None for recipes the plan does not model)."""
     if not isinstance(job.config.model, GPTConfig):
         return None
-    return memory(
+    return memory_estimate(
         ModelSpec(job.config.model),
         Candidate.from_job(job),
-        Precision(job.config.train.precision),
+        PrecisionBytes(job.config.train.precision),
         cluster,
         job.batch.accum_steps,
     )

@@ -119,12 +119,15 @@ class Cluster:
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a group of `group_size` ranks `stride` apart in the rank order crosses: inside one node when
-        the group fits in one node's devices; else between nodes, where a collective's rings use the NICs of all
-        the group's k ranks on a node (one NIC per GPU, rail-optimised, as NCCL does): k × a NIC's bandwidth, up
-        to the bandwidth inside the node (a point-to-point send uses one NIC)."""
-        if group_size * stride <= self.devices_per_node:
+        the group's span fits in a node and lines up with node boundaries; else between nodes, where a
+        collective's rings use the NICs of all the group's ranks on a node (one NIC per GPU, rail-optimised, as
+        NCCL does): k × a NIC's bandwidth for k ranks on every node, up to the bandwidth inside the node (a
+        point-to-point send uses one NIC; a group unevenly spread over nodes is as fast as its thinnest node)."""
+        span = group_size * stride
+        if span <= self.devices_per_node and self.devices_per_node % span == 0:
             return self.intra
-        nics = max(1, min(group_size, self.devices_per_node // stride))
+        aligned = span % self.devices_per_node == 0 and self.devices_per_node % stride == 0
+        nics = max(1, min(group_size, self.devices_per_node // stride)) if aligned else 1
 
         def across(kind: str, cost: Cost) -> Cost:
             if kind == "p2p":
@@ -132,6 +135,28 @@ class Cluster:
             return Cost(min(nics * cost.bandwidth, self.intra.costs[kind].bandwidth), cost.latency)
 
         return Link({kind: across(kind, cost) for kind, cost in self.inter.costs.items()})
+
+    def check(self) -> None:
+        """ValueError naming the first figure that cannot describe a machine."""
+        counts = {"nodes": self.nodes, "devices_per_node": self.devices_per_node}
+        for key, count in counts.items():
+            if not isinstance(count, int) or count < 1:
+                raise ValueError(f"{key}={count!r} must be a whole number >= 1")
+        positive: dict[str, object] = {"memory": self.memory, "efficiency": self.efficiency}
+        positive["mem_bandwidth"] = self.mem_bandwidth
+        positive |= {f"peak_flops.{dtype}": self.peak_flops.get(dtype) for dtype in ("bf16", "tf32", "fp32")}
+        for link_name, link in (("intra", self.intra), ("inter", self.inter)):
+            for kind in COLLECTIVES:
+                cost = link.costs.get(kind)
+                positive[f"{link_name}.{kind}.bandwidth"] = cost.bandwidth if isinstance(cost, Cost) else None
+        for key, value in positive.items():
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{key}={value!r} must be a number > 0")
+        fractions = {"efficiency": self.efficiency, "overlap": self.overlap, "tp_unsplit": self.tp_unsplit}
+        fractions |= {"forward_share": self.forward_share}
+        for key, value in fractions.items():
+            if not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise ValueError(f"{key}={value!r} must be between 0 and 1")
 
 
 def _gpu(
@@ -165,10 +190,19 @@ PRESETS: dict[str, Cluster] = {
 CLUSTERS = (*PRESETS, "this")
 
 
+def host_memory() -> float:
+    """Bytes of memory this machine has (Linux's MemTotal; elsewhere the physical pages)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def calibration_path() -> Path:
-    """Where `plan --calibrate` saves this machine's figures (TRAINMESH_CALIBRATION overrides it)."""
-    if os.environ.get("TRAINMESH_CALIBRATION"):
-        return Path(os.environ["TRAINMESH_CALIBRATION"])
+    """Where `plan --calibrate` saves this machine's figures unless --calibration names a file."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "trainmesh" / "plan-calibration.json"
 
@@ -186,16 +220,19 @@ def load_calibration(path: Path) -> Cluster:
             "Fix: run `trainmesh plan --calibrate` first (or name a preset: --cluster h100)."
         )
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("notes", []), list):
+            raise ValueError("expected a JSON object whose notes are a list")
         data["intra"] = _link(data["intra"])
         data["inter"] = _link(data["inter"])
         data["host"] = Cost(**data["host"])
-        data["notes"] = tuple(data.get("notes", ()))
-        return Cluster(**data)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{path} is not a calibration trainmesh can read ({e}). Fix: `trainmesh plan --calibrate`."
-        ) from None
+        data["notes"] = tuple(str(note) for note in data.get("notes", []))
+        cluster = Cluster(**data)
+        cluster.check()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        message = f"{path} is not a calibration trainmesh can read ({e}). Fix: `trainmesh plan --calibrate`."
+        raise ValueError(message) from None
+    return cluster
 
 
 def _link(data: dict[str, Any]) -> Link:

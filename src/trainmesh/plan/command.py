@@ -22,6 +22,8 @@ from trainmesh.plan.cluster import CLUSTERS, Cluster, GiB, calibration_path, get
 from trainmesh.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
 from trainmesh.plan.search import Workload, mfu, plan_layouts
 
+MAX_RANKS = 1_000_000
+EXIT_NOTHING_FITS = 3  # distinct from a user error (2) and from a crash (1)
 ASSUMPTIONS = (
     "memory: AdamW (two moments like each parameter, a 4-byte step per tensor); activations as autograd saves them "
     "in trainmesh's GPT with SDPA (no attention matrix kept), no dropout",
@@ -42,35 +44,36 @@ def check_plan_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--nodes", args.nodes), ("--devices-per-node", args.devices_per_node), ("--top", args.top)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}={value} must be at least 1")
+    if args.nodes * (args.devices_per_node or 8) > MAX_RANKS:
+        raise ConfigError(f"--nodes={args.nodes}: plan up to {MAX_RANKS:,} ranks (nodes × devices per node)")
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError(f"--global-batch={args.global_batch} must be at least 1 (sequences per optimizer step)")
+    if args.json and not Path(args.json).expanduser().parent.is_dir():
+        raise ConfigError(f"--json={args.json}: the folder {Path(args.json).parent} does not exist. Fix: create it.")
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Calibrate if asked; estimate every layout on the cluster; print the table and the command; write --json."""
     check_plan_flags(args)
-    calibration = Path(args.calibration) if args.calibration else calibration_path()
-    if args.calibrate:
-        from trainmesh.plan.calibrate import calibrate
-
-        config = load_config(args.config, overrides, args.target)
-        calibrate(config, calibration)
-        if args.cluster != "this":
-            return 0
     config = load_config(args.config, overrides, args.target)
+    calibration = Path(args.calibration) if args.calibration else calibration_path()
     try:
+        if args.calibrate:
+            from trainmesh.plan.calibrate import calibrate
+
+            Workload.from_config(config, 1)  # the recipe is one the plan models, before anything runs
+            calibrate(config, calibration)
+            if args.cluster != "this":
+                return 0
         cluster = get_cluster(args.cluster, args.nodes, args.devices_per_node, calibration)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    global_batch = args.global_batch or _config_global_batch(config, cluster.world_size)
-    try:
-        work = Workload.from_config(config, global_batch)
+        work = Workload.from_config(config, args.global_batch or _config_global_batch(config, cluster.world_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     estimates = plan_layouts(config, work, cluster)
     if not estimates:
         raise ConfigError(
-            f"no layout of {cluster.world_size} ranks splits a global batch of {global_batch} sequences for this "
-            f"model. Fix: a --global-batch that is a multiple of {cluster.world_size}."
+            f"no layout of {cluster.world_size} ranks splits a global batch of {work.global_batch} sequences for "
+            f"this model. Fix: a --global-batch that is a multiple of {cluster.world_size}."
         )
     print(render(work, cluster, estimates, args.top))
     best = next((e for e in estimates if e.fits), None)
@@ -79,28 +82,41 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print("No layout fits the device memory: a smaller model, a shorter block_size, or more devices.")
     else:
         print(f"Fastest that fits: {best.candidate.name}, micro-batch {best.candidate.micro_batch}:")
-        print("  " + shlex.join(run_command(args, overrides, cluster, best, global_batch)))
+        print("  " + shlex.join(run_command(args, overrides, cluster, best, work.global_batch)))
+        if cluster.nodes > 1:
+            print("  (on every node, with the address of the first node's rendezvous in place of <host:port>)")
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(work, cluster, estimates), indent=2) + "\n")
-    return 0 if best is not None else 1
+        Path(args.json).expanduser().write_text(json.dumps(to_json(work, cluster, estimates), indent=2) + "\n")
+    return 0 if best is not None else EXIT_NOTHING_FITS
 
 
 def _config_global_batch(config: Config, world_size: int) -> int:
     """The config's global batch in sequences, or its micro-batch on every rank when it sets none."""
     train = config.train
+    seq = getattr(config.model, "block_size", 1)
     if train.global_batch_tokens:
-        return train.global_batch_tokens // max(1, getattr(config.model, "block_size", 1))
+        if train.global_batch_tokens % seq:
+            raise ValueError(
+                f"train.global_batch_tokens={train.global_batch_tokens} is not a whole number of sequences of "
+                f"{seq} tokens (model.block_size). Fix: a multiple of {seq}, or --global-batch in sequences."
+            )
+        return train.global_batch_tokens // seq
     return train.global_batch or train.micro_batch * world_size
 
 
 def run_command(
     args: argparse.Namespace, overrides: list[str], cluster: Cluster, est: Estimate, global_batch: int
 ) -> list[str]:
+    """`trainmesh run` with the config, the user's overrides (less those the layout sets) and the layout's."""
     command = ["trainmesh", "run", args.target]
     if args.config:
         command += ["--config", str(args.config)]
     command += ["--nproc-per-node", str(cluster.devices_per_node), "--nnodes", str(cluster.nodes)]
-    return command + overrides + est.candidate.overrides(global_batch)
+    if cluster.nodes > 1:
+        command += ["--rdzv-endpoint", "<host:port>"]
+    layout = est.candidate.overrides(global_batch)
+    set_by_layout = {o.split("=", 1)[0] for o in layout}
+    return command + [o for o in overrides if o.split("=", 1)[0] not in set_by_layout] + layout
 
 
 def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int | None) -> str:

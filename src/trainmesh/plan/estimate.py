@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trainmesh.plan.activations import INT64, gpt_activations
+from trainmesh.plan.activations import INT64, GPTActivations, gpt_activations
 from trainmesh.plan.cluster import Cluster
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.memory import element_bytes
@@ -51,7 +51,7 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
-class Precision:
+class PrecisionBytes:
     """Bytes per element of each kind of tensor under train.precision (memory.ELEMENT_BYTES)."""
 
     name: str
@@ -122,8 +122,10 @@ def pieces_in_flight(cand: Candidate, stage: int) -> float:
     return min(m, p * (1 + (p - 1) / (p * per_rank)))
 
 
-def memory(spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Cluster, accum: int) -> Estimate:
-    """Memory of the most loaded rank (the stage whose total is largest); time is filled by `step_time`."""
+def memory_estimate(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int
+) -> Estimate:
+    """Memory of the most loaded rank (the stage whose total is largest); `step_time` adds the time."""
     best: Estimate | None = None
     for stage in range(cand.pp):
         parts, host = stage_memory(spec, cand, precision, cluster, accum, stage)
@@ -136,21 +138,69 @@ def memory(spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Clus
 
 
 def stage_memory(
-    spec: ModelSpec, cand: Candidate, precision: Precision, cluster: Cluster, accum: int, stage: int
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, stage: int
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes by MEMORY_PARTS on a rank of pipeline stage `stage`, and those it keeps in host memory instead (CPU
-    offload: params, grads, optimizer)."""
+    offload: params, optimizer, and the gradients once reduced)."""
     held = spec.stage_params(stage, cand.pp)
     fsdp = cand.strategy == "fsdp"
     shard = cand.dp_shard if fsdp else 1
     params = _bytes(held, cand.tp, shard, precision.weight)
-    # FSDP accumulating without synchronisation keeps the unsharded gradients until the last micro-step
-    grads = _bytes(held, cand.tp, 1 if fsdp and accum > 1 else shard, precision.weight)
     optimizer = 2 * params + 4 * len(held)
-    host = {"params": params, "grads": grads, "optimizer": optimizer} if cand.kind == "fsdp-offload" else {}
-    if host:
-        params, grads, optimizer = 0.0, 0.0, 0.0
+    # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync), and in a pipeline over
+    # the schedule's pieces (torch's PipelineStage turns gradient sync and resharding after backward off until
+    # the schedule ends; the stage's parameters then stay gathered too)
+    in_pipeline = fsdp and cand.pp > 1
+    unsharded_grads = fsdp and (accum > 1 or in_pipeline)
+    grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, precision.weight)
+    host: dict[str, float] = {}
+    if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
+        host = {"params": params, "grads": _bytes(held, cand.tp, shard, precision.weight), "optimizer": optimizer}
+        params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads else 0.0
 
+    activations, act = _stage_activations(spec, cand, precision, stage)
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = _checkpointed(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    piece = cand.micro_batch // cand.microbatches
+    # what a pipeline stage sends on: the residual stream, in the parameters' dtype under ddp and single
+    stream = element_bytes(precision.activations_under(cand.strategy)).param
+    sent = spec.seq * piece * spec.n_embd * stream
+
+    gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
+    temporaries = 0.0
+    if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
+        # backward) and its gradients; the block computing, the one prefetched and the block's gradients
+        root = _bytes([p for p in held if p.block is None], cand.tp, 1, 1)
+        in_blocks = {p.block for p in held if p.block is not None}
+        block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
+        temporaries += (root + 2 * block) * precision.gather + (root + block) * precision.weight
+    temporaries += act.recompute_peak if checkpointed else 0
+    if last:  # the logits' gradient, alive at the start of backward
+        temporaries += 4.0 * spec.seq * piece * spec.vocab
+    if cand.pp > 1:  # send and receive buffers
+        temporaries += 2.0 * sent * (2 if not first and not last else 1)
+    parts = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "gathered": gathered,
+        "temporaries": temporaries,
+        "overhead": cluster.overhead,
+    }
+    return parts, host
+
+
+def _checkpointed(cand: Candidate, blocks: int) -> int:
+    """Blocks of a stage under activation checkpointing: block i of the stage when i % k == 0."""
+    return math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
+
+
+def _stage_activations(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, stage: int
+) -> tuple[float, GPTActivations]:
+    """Activation bytes a rank of `stage` holds at most (its pieces in flight), and the per-piece figures."""
     piece = cand.micro_batch // cand.microbatches
     act = gpt_activations(
         spec.n_layer,
@@ -164,121 +214,136 @@ def stage_memory(
         tp=cand.tp,
     )
     blocks = spec.blocks_of_stage(stage, cand.pp)
-    checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0  # i % k == 0 per stage
-    per_piece = (blocks - checkpointed) * act.per_block + checkpointed * act.checkpointed_block
+    plain = blocks - _checkpointed(cand, blocks)
     last, first = stage == cand.pp - 1, stage == 0
+    per_piece = plain * act.per_block + (blocks - plain) * act.checkpointed_block
     ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
     per_piece += (ids if first else 0) + (act.outside - ids if last else 0)
-    activations = per_piece * pieces_in_flight(cand, stage)
-    block_input = spec.seq * piece * spec.n_embd * precision.activation  # what a pipeline stage sends on
-
-    in_blocks = {p.block for p in held if p.block is not None}
-    unsharded_block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
-    gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" else 0.0
-    temporaries = 0.0
-    if fsdp and cand.kind != "fsdp-grad-op":  # the unit computing and the one prefetched, and its gradients
-        temporaries += unsharded_block * (2 * precision.gather + 4)
-    temporaries += act.recompute_peak if checkpointed else 0
-    if last:  # the logits' gradient, alive at the start of backward
-        temporaries += 4.0 * spec.seq * piece * spec.vocab
-    if cand.pp > 1:
-        temporaries += 2.0 * block_input * (2 if not first and not last else 1)
-    parts = {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": float(activations),
-        "gathered": gathered,
-        "temporaries": temporaries,
-        "overhead": cluster.overhead,
-    }
-    return parts, host
+    # autocast's weight copies are cached once per step, not once per piece in flight
+    copies = plain * act.block_weight_copy + (act.head_weight_copy if last else 0)
+    return float((per_piece - copies) * pieces_in_flight(cand, stage) + copies), act
 
 
-def step_time(spec: ModelSpec, est: Estimate, precision: Precision, cluster: Cluster, accum: int, tf32: bool) -> None:
-    """Fill `est.time`: seconds per optimizer step by TIME_PARTS, for the slowest pipeline stage."""
+def step_time(
+    spec: ModelSpec, est: Estimate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
+) -> None:
+    """Fill `est.time`: seconds per optimizer step by TIME_PARTS. The pipeline runs at its slowest stage's pace;
+    the step ends when the stage with the most to do after it (optimizer, data-parallel traffic) is done."""
     cand = est.candidate
-    flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda"))
     ranks_here = min(cand.dp * cand.tp * cand.pp, cluster.devices_per_node)
     slowdown = cluster.busy_slowdown if ranks_here > 1 else 1.0  # devices of a node sharing memory (CPU cores)
-    flops /= slowdown
-    piece = cand.micro_batch // cand.microbatches
-    tokens = piece * spec.seq
-    act_bytes = tokens * spec.n_embd * precision.activation
-    tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
-    whole = spec.train_flops_per_token() / 3  # forward FLOPs per token of the whole model
-
-    def slot(stage: int) -> tuple[float, float, float]:
-        """(compute seconds, tensor-parallel and pipeline communication seconds, backward compute) per piece."""
-        blocks = spec.blocks_of_stage(stage, cand.pp)
-        checkpointed = math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
-        last, first = stage == cand.pp - 1, stage == 0
-        forward = blocks * spec.matmul_flops_per_token(side="block") + (
-            spec.matmul_flops_per_token(side="head") if last else 0
-        )
-        recompute = checkpointed * spec.matmul_flops_per_token(side="block")
-        share = cluster.forward_share  # of a forward + backward's time
-        # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp:
-        # each rank launches every kernel) and once per piece
-        fixed = cluster.step_overhead * slowdown * (forward + share * recompute) / whole
-        split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
-        work = tokens * 3 * forward * split / flops
-        again = tokens * 3 * recompute * split / flops * share  # the checkpointed blocks' second forward
-        compute = work + again + fixed
-        backward = (1 - share) * (work + fixed) + again
-        comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
-        if first:
-            comm += tp_link.time("all_reduce", act_bytes, cand.tp)
-        if last:
-            logits = tokens * spec.vocab * precision.activation
-            comm += tp_link.time("all_gather", logits, cand.tp) + tp_link.time("all_reduce", act_bytes, cand.tp)
-        sends = (not first) + (not last)  # receive activations / send them on; the same for gradients back
-        comm += 2 * sends * pp_link.time("p2p", act_bytes, 2)
-        return compute, comm, backward
-
-    slots = [slot(stage) for stage in range(cand.pp)]
+    flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda")) / slowdown
+    slots = [_slot(spec, cand, precision, cluster, stage, flops, slowdown) for stage in range(cand.pp)]
     compute, comm, backward = max(slots, key=lambda s: s[0] + s[1])
     per_rank = SCHEDULES[cand.schedule][1]
     bubble_slots = 0.0 if cand.pp == 1 else (cand.pp - 1) / (1 if cand.schedule in ("gpipe", "1f1b") else per_rank)
     m = cand.microbatches
-    time = {
-        "compute": accum * m * compute,
-        "bubble": accum * bubble_slots * (compute + comm),
-        "comm": accum * m * comm + _data_parallel_comm(spec, est, precision, cluster, accum, m * compute, m * backward),
-        "optimizer": 0.0,
-        "offload": 0.0,
+    pipeline = {"compute": accum * m * compute, "bubble": accum * bubble_slots * (compute + comm)}
+    after = [
+        _after_pipeline(spec, est, precision, cluster, accum, stage, m * compute, m * backward, slowdown)
+        for stage in range(cand.pp)
+    ]
+    tail = max(after, key=lambda t: sum(t.values()))
+    est.time = {
+        **pipeline,
+        "comm": accum * m * comm + tail["comm"],
+        "optimizer": tail["optimizer"],
+        "offload": tail["offload"],
     }
-    held = spec.stage_params(est.stage, cand.pp)
+
+
+def _slot(
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    stage: int,
+    flops: float,
+    slowdown: float,
+) -> tuple[float, float, float]:
+    """(compute seconds, tensor-parallel and pipeline communication seconds, backward compute) of one piece on
+    `stage`."""
+    piece = cand.micro_batch // cand.microbatches
+    tokens = piece * spec.seq
+    act_bytes = tokens * spec.n_embd * precision.activation
+    stream = tokens * spec.n_embd * element_bytes(precision.activations_under(cand.strategy)).param
+    tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = _checkpointed(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    forward = blocks * spec.matmul_flops_per_token(side="block")
+    forward += spec.matmul_flops_per_token(side="head") if last else 0
+    recompute = checkpointed * spec.matmul_flops_per_token(side="block")
+    share = cluster.forward_share  # of a forward + backward's time
+    # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp: each
+    # rank launches every kernel), once per piece
+    fixed = cluster.step_overhead * slowdown * (forward + share * recompute) / (spec.train_flops_per_token() / 3)
+    split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
+    work = tokens * 3 * forward * split / flops
+    again = tokens * 3 * recompute * split / flops * share  # the checkpointed blocks' second forward
+    compute = work + again + fixed
+    backward = (1 - share) * (work + fixed) + again
+    comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
+    if first:
+        comm += tp_link.time("all_reduce", act_bytes, cand.tp)
+    if last:
+        logits = tokens * spec.vocab * precision.activation
+        comm += tp_link.time("all_gather", logits, cand.tp) + tp_link.time("all_reduce", act_bytes, cand.tp)
+    sends = (not first) + (not last)  # receive activations / send them on; the same for gradients back
+    comm += 2 * sends * pp_link.time("p2p", stream, 2)
+    return compute, comm, backward
+
+
+def _after_pipeline(
+    spec: ModelSpec,
+    est: Estimate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    accum: int,
+    stage: int,
+    micro: float,
+    backward: float,
+    slowdown: float,
+) -> dict[str, float]:
+    """A stage's exposed data-parallel communication, optimizer step and offload copies per step."""
+    cand = est.candidate
+    held = spec.stage_params(stage, cand.pp)
     shard = cand.dp_shard if cand.strategy == "fsdp" else 1
     local = sum(p.local_numel(cand.tp, shard) for p in held)
     optimizer_bytes = local * OPTIMIZER_BYTES_PER_PARAM * precision.weight / 4
-    if cand.kind == "fsdp-offload":
-        time["optimizer"] = optimizer_bytes / cluster.host_bandwidth
-        copies = accum * 2 * local * precision.gather + local * 4  # shards up for each gather, gradients down
-        time["offload"] = copies / cluster.host.bandwidth
+    out = {"comm": _data_parallel_comm(spec, cand, precision, cluster, accum, stage, micro, backward)}
+    if cand.kind == "fsdp-offload":  # the fp32 shards up for each gather, the reduced gradients down
+        out["optimizer"] = optimizer_bytes / cluster.host_bandwidth
+        out["offload"] = (accum * 2 + 1) * local * precision.weight / cluster.host.bandwidth
     else:
-        time["optimizer"] = optimizer_bytes / cluster.mem_bandwidth * slowdown
-    est.time = time
+        out["optimizer"] = optimizer_bytes / cluster.mem_bandwidth * slowdown
+        out["offload"] = 0.0
+    return out
 
 
 def _data_parallel_comm(
-    spec: ModelSpec, est: Estimate, precision: Precision, cluster: Cluster, accum: int, micro: float, backward: float
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    accum: int,
+    stage: int,
+    micro: float,
+    backward: float,
 ) -> float:
-    """Exposed seconds of the data-parallel collectives per step; `micro`/`backward`: compute of one micro-step
-    and of its backward, which communication may hide behind."""
-    cand = est.candidate
+    """Exposed seconds of a stage's data-parallel collectives per step; `micro`/`backward`: compute of one
+    micro-step and of its backward, which communication may hide behind."""
     if cand.dp == 1:
         return 0.0
-    held = spec.stage_params(est.stage, cand.pp)
+    held = spec.stage_params(stage, cand.pp)
     unsharded = _bytes(held, cand.tp, 1, 1)  # elements of this stage's (tensor-parallel) parameters
     hide = cluster.overlap
     if cand.strategy == "ddp":
         link = cluster.link(cand.dp_replicate, cand.tp)
         buckets = max(1, math.ceil(4 * unsharded / DDP_BUCKET_BYTES))
         total = link.time("all_reduce", 4 * unsharded, cand.dp_replicate, messages=buckets)
-        last_bucket = total * min(1.0, DDP_BUCKET_BYTES / (4 * unsharded))
-        return max(last_bucket, total - hide * backward)
-    units = spec.blocks_of_stage(est.stage, cand.pp) + 1
+        return max(total / buckets, total - hide * backward)  # the last bucket cannot hide
+    units = spec.blocks_of_stage(stage, cand.pp) + 1
     shard_link = cluster.link(cand.dp_shard, cand.tp)
     gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard, messages=units)
     regather = gather if cand.kind != "fsdp-grad-op" else 0.0
@@ -293,6 +358,7 @@ def _data_parallel_comm(
     reduce_copies = 2 * unsharded * 4 / cluster.mem_bandwidth
     forward = micro - backward
     per_micro = gather_copies + units * cluster.fsdp_unit_overhead + max(gather / units, gather - hide * forward)
-    per_micro += max(regather / units, regather - hide * backward)
-    last = reduce_copies + max(reduce / units, reduce - hide * backward)  # gradients reduce once, at the end
-    return accum * per_micro + last
+    # in backward the re-gathers (and, at the last micro-step, the reduce-scatters) share the link: hidden together
+    quiet = max(regather / units, regather - hide * backward)
+    last = reduce_copies + max((regather + reduce) / units, regather + reduce - hide * backward)
+    return accum * per_micro + (accum - 1) * quiet + last

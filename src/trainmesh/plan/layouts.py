@@ -9,6 +9,7 @@ that launches, and `overrides()` is what to add to the command line to get it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -83,6 +84,8 @@ class Candidate:
         strategy, dims = job.layout
         par = job.config.parallel
         kind = {"ddp": "ddp", "single": "single", "dp": "single"}.get(strategy, "fsdp")
+        if dims.dp_size == 1:  # fsdp over one data-parallel rank wraps nothing (FSDPStrategy.wrap)
+            kind = "single"
         if kind == "fsdp":
             if par.fsdp.cpu_offload:
                 kind = "fsdp-offload"
@@ -135,7 +138,9 @@ class Candidate:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (in O(√n): a cluster may have thousands of ranks)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _pieces(micro_batch: int, pp: int) -> int:
@@ -164,9 +169,16 @@ def data_parallel_kinds(dp: int, tp: int, pp: int, devices_per_node: int, nodes:
 
 
 def candidates(
-    base: Config, world_size: int, devices_per_node: int, nodes: int, global_batch: int, micro_batches: list[int]
+    base: Config,
+    world_size: int,
+    devices_per_node: int,
+    nodes: int,
+    global_batch: int,
+    micro_batches: list[int],
+    schedule: str = "1f1b",
 ) -> Iterator[Candidate]:
-    """Every layout of `world_size` ranks for the micro-batch sizes given (largest first), unresolved."""
+    """Every layout of `world_size` ranks for the micro-batch sizes given (largest first), unresolved; pipelines
+    with `schedule`."""
     for tp in (t for t in divisors(devices_per_node) if world_size % t == 0):
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
@@ -179,4 +191,4 @@ def candidates(
                             continue
                         pieces = _pieces(micro, pp) if pp > 1 else 1
                         if pieces:
-                            yield Candidate(kind, pp, tp, replicate, shard, every, micro, pieces)
+                            yield Candidate(kind, pp, tp, replicate, shard, every, micro, pieces, schedule)

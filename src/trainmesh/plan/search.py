@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from trainmesh.config import Config
 from trainmesh.plan.cluster import Cluster
-from trainmesh.plan.estimate import Estimate, Precision, memory, step_time
+from trainmesh.plan.estimate import Estimate, PrecisionBytes, memory_estimate, step_time
 from trainmesh.plan.layouts import Candidate, candidates
 from trainmesh.plan.model import ModelSpec
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -28,7 +28,7 @@ class Workload:
     """What is planned: the model, its precision and the global batch in sequences."""
 
     spec: ModelSpec
-    precision: Precision
+    precision: PrecisionBytes
     global_batch: int
     tf32: bool
 
@@ -40,17 +40,18 @@ class Workload:
                 f"trainmesh plan models transformers: run.recipe={config.run.recipe!r} is not supported. "
                 "Fix: plan the gpt recipe (its shape flags: --model.size, --model.n_layer, ...)."
             )
-        return cls(ModelSpec(model), Precision(config.train.precision), global_batch, config.train.tf32)
+        return cls(ModelSpec(model), PrecisionBytes(config.train.precision), global_batch, config.train.tf32)
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.spec.seq
 
 
-def estimate(job: Workload, cand: Candidate, cluster: Cluster) -> Estimate:
-    accum = job.global_batch // (cand.dp * cand.micro_batch)
-    est = memory(job.spec, cand, job.precision, cluster, accum)
-    step_time(job.spec, est, job.precision, cluster, accum, job.tf32)
+def estimate(work: Workload, cand: Candidate, cluster: Cluster) -> Estimate:
+    """Memory and step time of `cand` running `work` on `cluster`."""
+    accum = work.global_batch // (cand.dp * cand.micro_batch)
+    est = memory_estimate(work.spec, cand, work.precision, cluster, accum)
+    step_time(work.spec, est, work.precision, cluster, accum, work.tf32)
     return est
 
 
@@ -62,26 +63,29 @@ def refused_by_shape(spec: ModelSpec, cand: Candidate) -> bool:
     return not tp_splits or cand.pp * SCHEDULES[cand.schedule][1] > spec.n_layer
 
 
-def plan_layouts(config: Config, job: Workload, cluster: Cluster) -> list[Estimate]:
-    """The best micro-batch of every layout trainmesh accepts, fastest first; those that fit before the others."""
+def plan_layouts(config: Config, work: Workload, cluster: Cluster) -> list[Estimate]:
+    """The fastest micro-batch that fits of every layout trainmesh accepts (the smallest where none fits), fastest
+    first; those that fit before the others. Pipelines run the config's schedule."""
     groups: dict[tuple[object, ...], list[Candidate]] = defaultdict(list)
     micro = sorted({*MICRO_BATCHES, config.train.micro_batch}, reverse=True)
+    schedule = config.parallel.pipeline.schedule
     for cand in candidates(
-        config, cluster.world_size, cluster.devices_per_node, cluster.nodes, job.global_batch, micro
+        config, cluster.world_size, cluster.devices_per_node, cluster.nodes, work.global_batch, micro, schedule
     ):
-        if refused_by_shape(job.spec, cand):
+        if refused_by_shape(work.spec, cand):
             continue
         groups[(cand.kind, cand.pp, cand.tp, cand.dp_replicate, cand.dp_shard, cand.checkpoint_every)].append(cand)
     chosen: list[Estimate] = []
     for group in groups.values():
-        estimates = [estimate(job, cand, cluster) for cand in group]  # largest micro-batch first
-        best = next((e for e in estimates if e.fits), estimates[-1])
-        if best.candidate.job(config, job.global_batch, cluster.world_size) is not None:
+        estimates = [estimate(work, cand, cluster) for cand in group]  # largest micro-batch first
+        fitting = [e for e in estimates if e.fits]
+        best = min(fitting, key=lambda e: e.step_time) if fitting else estimates[-1]
+        if best.candidate.job(config, work.global_batch, cluster.world_size) is not None:
             chosen.append(best)
     return sorted(chosen, key=lambda e: (not e.fits, e.step_time))
 
 
-def mfu(job: Workload, est: Estimate, cluster: Cluster) -> float:
+def mfu(work: Workload, est: Estimate, cluster: Cluster) -> float:
     """Model FLOPs (Megatron's count, no recomputation) per second over the cluster's peak for the precision."""
-    peak = cluster.peak_flops[job.precision.compute_dtype(job.tf32 and cluster.device == "cuda")]
-    return job.spec.train_flops_per_token() * job.tokens_per_step / est.step_time / (cluster.world_size * peak)
+    peak = cluster.peak_flops[work.precision.compute_dtype(work.tf32 and cluster.device == "cuda")]
+    return work.spec.train_flops_per_token() * work.tokens_per_step / est.step_time / (cluster.world_size * peak)

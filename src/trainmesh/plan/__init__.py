@@ -1,2 +1,4 @@
-"""`trainmesh plan`: memory and speed predicted before launch (memory.py: model states by ZeRO stage;
-activations.py: the GPT's activations; so far)."""
+"""`trainmesh plan`: memory per rank and step time predicted for every layout of a job on a cluster, before launch
+(docs/plan.md). model.py (the parameter table), memory.py and activations.py (bytes), estimate.py (one layout),
+layouts.py and search.py (all of them), cluster.py and calibrate.py (the machines), command.py and check.py (the
+commands)."""

@@ -273,8 +273,9 @@ def assumptions(cluster: Cluster, seq: dict[str, int]) -> list[str]:
         f"dense bf16 peak {cluster.peak_flops['bf16'] / 1e12:.0f} TFLOP/s, {cluster.efficiency:.0%} of it achieved "
         f"(assumed, uncalibrated); optimizer at {cluster.mem_bandwidth / 1e12:.2f} TB/s",
         f"NVLink {intra.bandwidth / 1e9:.0f} GB/s bus bandwidth, {intra.latency * 1e6:.0f} µs per hop; "
-        f"InfiniBand {inter.bandwidth / 1e9:.0f} GB/s per GPU, {inter.latency * 1e6:.0f} µs per hop; a group "
-        f"spanning nodes costs at the IB figure; overlap {cluster.overlap:.0%} of the compute",
+        f"InfiniBand {inter.bandwidth / 1e9:.0f} GB/s per GPU (one NIC each), {inter.latency * 1e6:.0f} µs per hop; "
+        f"a group spanning nodes with k ranks on each node uses k NICs (at most the NVLink figure); one latency per "
+        f"FSDP unit or DDP bucket; overlap {cluster.overlap:.0%} of the compute",
         *ASSUMPTIONS[2:],
         "workloads (bf16-mixed, AdamW), sequences × tokens: "
         + "; ".join(
@@ -344,12 +345,12 @@ def print_series(key: str, mode: str, points: list[Point], notes: list[str]) -> 
     model = next(m for m in MODELS if m.key == key)
     per = f"{model.strong_batch} sequences" if mode == "strong" else f"{model.weak_per_gpu} sequences per GPU"
     print(f"\n{model.label}, {mode} scaling ({per} of {points[0].work.spec.seq} tokens):")
-    head = f"{'GPUs':>5} {'batch':>7} {'layout':<26} {'micro':>5} {'acc':>3} {'step ms':>9} {'tok/s/GPU':>10}"
+    head = f"{'GPUs':>5} {'batch':>7} {'layout':<30} {'micro':>5} {'acc':>3} {'step ms':>9} {'tok/s/GPU':>10}"
     print(head + f" {'MFU':>6} {'speedup':>8} {'eff':>6} {'comm':>5} {'bubble':>6} {'GiB':>5}")
     for p in points:
         r = row(points, p, mode)
         print(
-            f"{p.gpus:5d} {p.global_batch:7d} {r['layout']:<26} {r['micro_batch']:5d} {r['accumulation']:3d} "
+            f"{p.gpus:5d} {p.global_batch:7d} {r['layout']:<30} {r['micro_batch']:5d} {r['accumulation']:3d} "
             f"{r['step_s'] * 1e3:9.2f} {r['tokens_per_s_per_gpu']:10,.0f} {r['mfu']:6.1%} {r['speedup']:8.1f} "
             f"{r['efficiency']:6.1%} {r['shares']['comm']:5.1%} {r['shares']['bubble']:6.1%} {r['memory_gib']:5.1f}"
         )

@@ -53,12 +53,14 @@ class Link:
         """Seconds for `kind` over `ranks` ranks; `nbytes` is the full (unsharded) buffer, sent as `messages`
         collectives (FSDP: one per unit; DDP: one per bucket), each paying the latency. Ring bandwidth terms
         (all-reduce moves 2(n−1)/n of the buffer per rank, all-gather and reduce-scatter (n−1)/n, p2p all of
-        it); latency grows with log2 n, as NCCL's tree and NVLS algorithms do at scale."""
+        it). Latency: log2 n steps for an all-reduce (NCCL's tree and NVLS algorithms at scale), n − 1 for an
+        all-gather or reduce-scatter (NCCL runs them as rings; its logarithmic PAT algorithm covers one GPU per
+        node only, NVIDIA/nccl#1473)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         cost = self.costs[kind]
         share = {"all_reduce": 2 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind, (ranks - 1) / ranks)
-        hops = 1 if kind == "p2p" else max(1, (ranks - 1).bit_length())
+        hops = {"p2p": 1, "all_reduce": max(1, (ranks - 1).bit_length())}.get(kind, ranks - 1)
         latency = (2 if kind == "all_reduce" else 1) * hops * cost.latency
         return share * nbytes / cost.bandwidth + messages * latency
 

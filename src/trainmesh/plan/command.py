@@ -31,7 +31,8 @@ ASSUMPTIONS = (
     "fragmentation not modelled: keep a margin)",
     "time: FLOPs = 72·L·h²·(1 + s/6h) + 6·h·V per token (attention non-causal, as Megatron counts); "
     "+ one forward of each checkpointed block",
-    "time: collectives as ring bandwidth + log2(n) latency on the link their group crosses; "
+    "time: collectives as ring bandwidth + latency (log2 n steps for all-reduce, n − 1 for all-gather and "
+    "reduce-scatter) on the link their group crosses; "
     "data-parallel traffic hides behind compute up to the cluster's overlap; tensor and pipeline traffic never",
     "time: pipeline bubble (p − 1) slots for gpipe / 1f1b, (p − 1)/v for interleaved schedules",
 )

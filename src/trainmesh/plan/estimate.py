@@ -240,7 +240,7 @@ def step_time(
     m = cand.microbatches
     pipeline = {"compute": accum * m * compute, "bubble": accum * bubble_slots * (compute + comm)}
     after = [
-        _after_pipeline(spec, est, precision, cluster, accum, stage, m * compute, m * backward, slowdown)
+        _after_pipeline(spec, cand, precision, cluster, accum, stage, m * compute, m * backward, slowdown)
         for stage in range(cand.pp)
     ]
     tail = max(after, key=lambda t: sum(t.values()))
@@ -296,7 +296,7 @@ def _slot(
 
 def _after_pipeline(
     spec: ModelSpec,
-    est: Estimate,
+    cand: Candidate,
     precision: PrecisionBytes,
     cluster: Cluster,
     accum: int,
@@ -306,7 +306,6 @@ def _after_pipeline(
     slowdown: float,
 ) -> dict[str, float]:
     """A stage's exposed data-parallel communication, optimizer step and offload copies per step."""
-    cand = est.candidate
     held = spec.stage_params(stage, cand.pp)
     shard = cand.dp_shard if cand.strategy == "fsdp" else 1
     local = sum(p.local_numel(cand.tp, shard) for p in held)

@@ -125,7 +125,11 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> N
     """`trainmesh plan`'s own flags; checked by trainmesh.plan.command (messages that say how to fix)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("plan")
-    g.add_argument("--cluster", default=d("h100"), help="a100 | h100 | h200 (8 GPUs a node) | this (calibrated)")
+    g.add_argument(
+        "--cluster",
+        default=d("h100"),
+        help="a100 | h100 | h200 (8 GPUs a node) | this (calibrated) | a JSON file describing one (docs/plan.md)",
+    )
     g.add_argument("--nodes", type=int, default=d(1), help="nodes (default 1)")
     g.add_argument("--devices-per-node", type=int, default=d(None), help="devices a node (default: the cluster's)")
     g.add_argument(

@@ -57,6 +57,11 @@ def test_calibrate_then_plan_on_this_machine(tmp_path: Path, capsys: pytest.Capt
     assert "calibrated (" in out and "more (--top" in out
     code, out, err = _plan(capsys, *config, "--cluster", "this")  # reused, not re-measured
     assert code == 0 and "calibrated (" in out
+    # another machine described in the same format, edited: 4 devices a node with a fifth of the memory
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**saved, "name": "other", "devices_per_node": 4, "memory": saved["memory"] / 5}))
+    code, out, err = _plan(capsys, *config, "--cluster", str(other), "--nodes", "2")
+    assert code == 0 and "cluster: other, 2 node(s) × 4 cpu device(s)" in out
     # a calibration file that is not one: refused with the fix, not a traceback
     for garbage in ("{not json", "[]", json.dumps({**saved, "efficiency": 0}), json.dumps({**saved, "intra": []})):
         calibration.write_text(garbage)
@@ -67,7 +72,8 @@ def test_calibrate_then_plan_on_this_machine(tmp_path: Path, capsys: pytest.Capt
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--cluster", "tpu"], "--cluster='tpu' is not one of a100, h100, h200, this"),
+        (["--cluster", "tpu"], "--cluster='tpu' is not one of a100, h100, h200, this, nor a .json file"),
+        (["--cluster", "/no/such/cluster.json"], "--cluster='/no/such/cluster.json': no such file"),
         (["--nodes", "0"], "--nodes=0 must be at least 1"),
         (["--devices-per-node", "-1"], "--devices-per-node=-1 must be at least 1"),
         (["--global-batch", "0"], "--global-batch=0 must be at least 1"),

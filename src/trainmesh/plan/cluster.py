@@ -241,14 +241,29 @@ def _link(data: dict[str, Any]) -> Link:
     return Link({kind: Cost(**cost) for kind, cost in data["costs"].items()})
 
 
+def cluster_problem(name: str) -> str | None:
+    """Why --cluster=`name` names no cluster, or None."""
+    if name in CLUSTERS:
+        return None
+    if not name.endswith(".json"):
+        return f"--cluster={name!r} is not one of {', '.join(CLUSTERS)}, nor a .json file describing one"
+    if not Path(name).is_file():
+        return f"--cluster={name!r}: no such file. Fix: a preset ({', '.join(CLUSTERS)}) or a JSON file"
+    return None
+
+
 def get_cluster(name: str, nodes: int, devices_per_node: int | None, calibration: Path | None = None) -> Cluster:
-    """A preset (`a100`, `h100`, `h200`) or `this` (the saved calibration) for `nodes` nodes."""
+    """A preset (`a100`, `h100`, `h200`), `this` (the saved calibration) or a cluster described in a JSON file
+    (a calibration's format: `trainmesh plan --calibrate --calibration F.json` writes one to start from), for
+    `nodes` nodes."""
     if name == "this":
         cluster = load_calibration(calibration or calibration_path())
     elif name in PRESETS:
         cluster = PRESETS[name]
+    elif not cluster_problem(name):
+        cluster = load_calibration(Path(name))
     else:
-        raise ValueError(f"--cluster={name!r} is not one of {', '.join(CLUSTERS)}")
+        raise ValueError(cluster_problem(name))
     if nodes < 1 or (devices_per_node is not None and devices_per_node < 1):
         raise ValueError(f"--nodes={nodes} and --devices-per-node={devices_per_node} must be at least 1")
     return cluster.with_nodes(nodes, devices_per_node)

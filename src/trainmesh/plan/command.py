@@ -18,7 +18,7 @@ from typing import Any
 
 from trainmesh.config import Config, ConfigError
 from trainmesh.job import load_config
-from trainmesh.plan.cluster import CLUSTERS, Cluster, GiB, calibration_path, get_cluster, size_unit
+from trainmesh.plan.cluster import Cluster, GiB, calibration_path, cluster_problem, get_cluster, size_unit
 from trainmesh.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
 from trainmesh.plan.search import Workload, mfu, plan_layouts
 
@@ -40,8 +40,9 @@ ASSUMPTIONS = (
 
 def check_plan_flags(args: argparse.Namespace) -> None:
     """Refuse bad `plan` flags before anything runs (ConfigError naming the flag and what is allowed)."""
-    if args.cluster not in CLUSTERS:
-        raise ConfigError(f"--cluster={args.cluster!r} is not one of {', '.join(CLUSTERS)}")
+    problem = cluster_problem(args.cluster)
+    if problem:
+        raise ConfigError(problem)
     for flag, value in (("--nodes", args.nodes), ("--devices-per-node", args.devices_per_node), ("--top", args.top)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}={value} must be at least 1")

@@ -272,10 +272,10 @@ def assumptions(cluster: Cluster, seq: dict[str, int]) -> list[str]:
         f"{cluster.name} preset: {cluster.devices_per_node} GPUs per node, {cluster.memory / GiB:.0f} GiB each; "
         f"dense bf16 peak {cluster.peak_flops['bf16'] / 1e12:.0f} TFLOP/s, {cluster.efficiency:.0%} of it achieved "
         f"(assumed, uncalibrated); optimizer at {cluster.mem_bandwidth / 1e12:.2f} TB/s",
-        f"NVLink {intra.bandwidth / 1e9:.0f} GB/s bus bandwidth, {intra.latency * 1e6:.0f} µs per hop; "
-        f"InfiniBand {inter.bandwidth / 1e9:.0f} GB/s per GPU (one NIC each), {inter.latency * 1e6:.0f} µs per hop; "
-        f"a group spanning nodes with k ranks on each node uses k NICs (at most the NVLink figure); one latency per "
-        f"FSDP unit or DDP bucket; overlap {cluster.overlap:.0%} of the compute",
+        f"NVLink {intra.bandwidth / 1e9:.0f} GB/s bus bandwidth, {intra.latency * 1e6:.0f} µs per latency step; "
+        f"InfiniBand {inter.bandwidth / 1e9:.0f} GB/s per GPU (one NIC each), {inter.latency * 1e6:.0f} µs per step; "
+        f"a group spanning nodes with k ranks on each node uses k NICs (at most the NVLink figure); every FSDP unit "
+        f"and DDP bucket pays its collective's latency steps; overlap {cluster.overlap:.0%} of the compute",
         *ASSUMPTIONS[2:],
         "workloads (bf16-mixed, AdamW), sequences × tokens: "
         + "; ".join(

@@ -26,10 +26,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from plan_measure import CASES, measure_layouts
+from plan_measure import CASES, case_overrides, measure_layout
 from trainmesh.job import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
-from trainmesh.plan.calibrate import calibrate
+from trainmesh.plan.calibrate import calibrate, reference_step_seconds
 from trainmesh.plan.cluster import Cluster, load_calibration
 from trainmesh.plan.estimate import Estimate, PrecisionBytes, stage_memory, step_time
 from trainmesh.plan.layouts import Candidate
@@ -64,7 +64,25 @@ def predict(layout: dict[str, Any], rank: dict[str, Any], cluster: Cluster) -> d
     return {"memory": memory, "step_s": est.step_time, "time": est.time}
 
 
+def measure_with_reference(steps: int) -> list[dict[str, Any]]:
+    """Every layout, each just after timing the machine's reference step (`reference_step_seconds`: what the
+    calibration times), so that a drift of the machine's speed between the layouts and the calibration shows."""
+    single = load_config(None, case_overrides(CASES[0], (), 4), "gpt")
+    measured = []
+    for case in CASES:
+        reference = reference_step_seconds(single)
+        result = measure_layout(case, steps=steps, warmup=3)
+        print(f"  {case.name:<20} {case.world_size} ranks: {result['status']} (reference {reference * 1e3:.0f} ms)")
+        measured.append({**result, "reference_s": reference})
+    return measured
+
+
 def compare(measured: list[dict[str, Any]], cluster: Cluster) -> list[dict[str, Any]]:
+    """One row per measured rank. With reference timings, the prediction is also scaled by the machine's speed at
+    the layout's measurement against its speed when calibrated (the reference step's predicted time, which the
+    calibration reproduces): `predicted_step_s_at_measurement`."""
+    single = next((m for m in measured if m["name"] == "single" and m["status"] == "ok"), None)
+    calibrated_reference = predict(single, single["ranks"][0], cluster)["step_s"] if single else 1.0
     rows = []
     for layout in measured:
         if layout["status"] != "ok":
@@ -74,6 +92,7 @@ def compare(measured: list[dict[str, Any]], cluster: Cluster) -> list[dict[str, 
         compared = [k for k in COMPONENTS if not (in_step and k in IN_STEP_ONLY)]
         for rank in layout["ranks"]:
             pred = predict(layout, rank, cluster)
+            drift = layout.get("reference_s", calibrated_reference) / calibrated_reference if single else 1.0
             rows.append(
                 {
                     "layout": layout["name"],
@@ -86,6 +105,8 @@ def compare(measured: list[dict[str, Any]], cluster: Cluster) -> list[dict[str, 
                     "timed": timed,
                     "measured_step_s": rank["step_ms"] / 1000,
                     "predicted_step_s": pred["step_s"],
+                    "machine_drift": drift,
+                    "predicted_step_s_at_measurement": pred["step_s"] * drift,
                     "predicted_time": pred["time"],
                 }
             )
@@ -106,7 +127,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             cells.append(f"{m / MiB:6.2f}/{p / MiB:6.2f}{mark}")
         if r["timed"]:
             step = f"{r['measured_step_s'] * 1e3:5.0f}/{r['predicted_step_s'] * 1e3:5.0f} "
-            step += f"{error(r['predicted_step_s'], r['measured_step_s']):+6.1%}"
+            step += f"{error(r['predicted_step_s'], r['measured_step_s']):+6.1%} (machine ×{r['machine_drift']:.3f}: "
+            step += f"{error(r['predicted_step_s_at_measurement'], r['measured_step_s']):+6.1%})"
         else:
             step = "(oversubscribed: memory only)"
         print(
@@ -121,7 +143,11 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     memory = [abs(error(r["predicted"][k], r["measured"][k])) for r in rows for k in r["compared"] if r["measured"][k]]
     timed = [abs(error(r["predicted_step_s"], r["measured_step_s"])) for r in rows if r["timed"]]
+    steady = [abs(error(r["predicted_step_s_at_measurement"], r["measured_step_s"])) for r in rows if r["timed"]]
     return {
+        "step_at_measurement_max_abs_error": max(steady),
+        "step_at_measurement_mean_abs_error": sum(steady) / len(steady),
+        "step_at_measurement_within_15pct": sum(e <= 0.15 for e in steady) / len(steady),
         "memory_max_abs_error": max(memory),
         "memory_within_5pct": sum(e <= 0.05 for e in memory) / len(memory),
         "step_max_abs_error": max(timed),
@@ -183,7 +209,7 @@ def main() -> None:
     if args.measured:
         measured = json.loads(Path(args.measured).read_text())["layouts"]
     else:
-        measured = measure_layouts(CASES, steps=args.steps, warmup=3)
+        measured = measure_with_reference(args.steps)
     single = next(m for m in measured if m["name"] == "single")
     if args.calibration:
         cluster = load_calibration(Path(args.calibration))

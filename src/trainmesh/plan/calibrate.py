@@ -181,6 +181,14 @@ def _fit_tensor_parallel(config: Config, cluster: Cluster, seconds: float) -> fl
     return min(1.0, max(0.0, unexplained / (per_token_work / 2)))
 
 
+def reference_step_seconds(config: Config) -> float:
+    """This machine's speed now: one process's forward, backward and optimizer step of `config`'s GPT at its
+    micro-batch (medians), timed as the calibration times it. A validation taken over minutes times this beside
+    each measurement, to tell the machine's drift from the model's error."""
+    timed = run_distributed(_time_model, 1, (config, [config.train.micro_batch]), timeout_s=300)[0]
+    return float(timed["forward_backward_s"][config.train.micro_batch] + timed["optimizer_s"])
+
+
 def _fit_fsdp(config: Config, cluster: Cluster, seconds: float) -> float:
     """FSDP's own seconds per unit per micro-step (Cluster.fsdp_unit_overhead: its hooks, bookkeeping and the
     copies the estimate does not see), from the measured forward + backward `seconds` of fsdp over 2 ranks: what

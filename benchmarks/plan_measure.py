@@ -41,7 +41,7 @@ checkpoint's hooks), a pipeline stage's output tensors held by the schedule unti
 communication buffers. `gathered_params` is sampled at the ends of forwards only.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_measure.py [--only ddp fsdp ...] [--world-sizes 1 2]
-        [--micro-batch 4 --warmup 2 --steps 5 --config F.toml] [--json docs/plan_measured.json]
+        [--micro-batch 4 --warmup 2 --steps 5 --config F.toml] [--json measured.json]
         [--extra NAME WORLD_SIZE "parallel.x=... ..."] [-- --model.size=tiny ...]
 
 Overrides after `--` apply to every layout, after the default model (`DEFAULT_MODEL`), so they replace it.

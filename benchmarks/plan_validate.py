@@ -11,7 +11,7 @@ after calibration.
    are oversubscribed on a 2-core machine, which changes no byte); step time only where every process has a core
    of its own (the calibration's devices per node).
 
-    OMP_NUM_THREADS=1 python benchmarks/plan_validate.py [--measured docs/plan_measured.json]
+    OMP_NUM_THREADS=1 python benchmarks/plan_validate.py [--measured docs/plan_validation.json]
         [--calibration F.json] [--json docs/plan_validation.json] [--plot docs/plan_validation.png]
 """
 

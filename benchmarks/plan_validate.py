@@ -31,7 +31,7 @@ from trainmesh.job import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
 from trainmesh.plan.calibrate import calibrate, reference_step_seconds
 from trainmesh.plan.cluster import Cluster, load_calibration
-from trainmesh.plan.estimate import Estimate, PrecisionBytes, stage_memory, step_time
+from trainmesh.plan.estimate import PrecisionBytes, stage_memory, step_time
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
 
@@ -59,9 +59,8 @@ def predict(layout: dict[str, Any], rank: dict[str, Any], cluster: Cluster) -> d
     stage = rank["coords"]["pp"]
     parts, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, stage)
     memory = {k: parts[k] + host.get(k, 0.0) for k in COMPONENTS}
-    est = Estimate(cand, parts, sum(host.values()), stage, {}, fits=True)
-    step_time(spec, est, precision, cluster, job.batch.accum_steps, job.config.train.tf32)
-    return {"memory": memory, "step_s": est.step_time, "time": est.time}
+    time = step_time(spec, cand, precision, cluster, job.batch.accum_steps, job.config.train.tf32)
+    return {"memory": memory, "step_s": sum(time.values()), "time": time}
 
 
 def measure_with_reference(steps: int) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import torch
 
 from trainmesh.job import Job
 from trainmesh.plan.cluster import PRESETS, Cluster, GiB, host_memory, size_unit
-from trainmesh.plan.estimate import Estimate, PrecisionBytes, memory_estimate
+from trainmesh.plan.estimate import Estimate, PrecisionBytes, estimate_layout
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -28,16 +28,14 @@ def local_cluster(processes_per_node: int) -> Cluster:
 
 
 def predict(job: Job, cluster: Cluster) -> Estimate | None:
-    """The most loaded rank's memory for `job` (None for recipes the plan does not model)."""
-    if not isinstance(job.config.model, GPTConfig):
+    """The estimate of `job`'s layout, of which `check` shows the memory (None for recipes the plan does not
+    model)."""
+    config, model = job.config, job.config.model
+    if not isinstance(model, GPTConfig):
         return None
-    return memory_estimate(
-        ModelSpec(job.config.model),
-        Candidate.from_job(job),
-        PrecisionBytes(job.config.train.precision),
-        cluster,
-        job.batch.accum_steps,
-    )
+    precision = PrecisionBytes(config.train.precision)
+    cand, accum = Candidate.from_job(job), job.batch.accum_steps
+    return estimate_layout(ModelSpec(model), cand, precision, cluster, accum, config.train.tf32)
 
 
 def memory_lines(job: Job, processes_per_node: int) -> list[str]:

@@ -35,7 +35,7 @@ Step time, for the most loaded stage, per optimizer step:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trainmesh.plan.activations import INT64, GPTActivations, gpt_activations
 from trainmesh.plan.cluster import Cluster
@@ -82,7 +82,7 @@ class PrecisionBytes:
         return "tf32" if tf32 else "fp32"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Estimate:
     candidate: Candidate
     memory: dict[str, float]
@@ -94,7 +94,6 @@ class Estimate:
     time: dict[str, float]
     """Seconds per optimizer step, by TIME_PARTS."""
     fits: bool
-    notes: list[str] = field(default_factory=list)
 
     @property
     def total_memory(self) -> float:
@@ -122,19 +121,15 @@ def pieces_in_flight(cand: Candidate, stage: int) -> float:
     return min(m, p * (1 + (p - 1) / (p * per_rank)))
 
 
-def memory_estimate(
-    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int
+def estimate_layout(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
 ) -> Estimate:
-    """Memory of the most loaded rank (the stage whose total is largest); `step_time` adds the time."""
-    best: Estimate | None = None
-    for stage in range(cand.pp):
-        parts, host = stage_memory(spec, cand, precision, cluster, accum, stage)
-        est = Estimate(cand, parts, sum(host.values()), stage, {}, fits=True)
-        if best is None or est.total_memory > best.total_memory:
-            best = est
-    assert best is not None
-    best.fits = best.total_memory <= cluster.memory
-    return best
+    """Memory of the most loaded rank (the stage whose total is largest) and the time of a step."""
+    stages = [stage_memory(spec, cand, precision, cluster, accum, stage) for stage in range(cand.pp)]
+    stage = max(range(cand.pp), key=lambda i: sum(stages[i][0].values()))
+    parts, host = stages[stage]
+    time = step_time(spec, cand, precision, cluster, accum, tf32)
+    return Estimate(cand, parts, sum(host.values()), stage, time, fits=sum(parts.values()) <= cluster.memory)
 
 
 def stage_memory(
@@ -225,11 +220,10 @@ def _stage_activations(
 
 
 def step_time(
-    spec: ModelSpec, est: Estimate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
-) -> None:
-    """Fill `est.time`: seconds per optimizer step by TIME_PARTS. The pipeline runs at its slowest stage's pace;
-    the step ends when the stage with the most to do after it (optimizer, data-parallel traffic) is done."""
-    cand = est.candidate
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
+) -> dict[str, float]:
+    """Seconds per optimizer step by TIME_PARTS. The pipeline runs at its slowest stage's pace; the step ends when
+    the stage with the most to do after it (optimizer, data-parallel traffic) is done."""
     ranks_here = min(cand.dp * cand.tp * cand.pp, cluster.devices_per_node)
     slowdown = cluster.busy_slowdown if ranks_here > 1 else 1.0  # devices of a node sharing memory (CPU cores)
     flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda")) / slowdown
@@ -244,7 +238,7 @@ def step_time(
         for stage in range(cand.pp)
     ]
     tail = max(after, key=lambda t: sum(t.values()))
-    est.time = {
+    return {
         **pipeline,
         "comm": accum * m * comm + tail["comm"],
         "optimizer": tail["optimizer"],

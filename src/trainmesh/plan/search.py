@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from trainmesh.config import Config
 from trainmesh.plan.cluster import Cluster
-from trainmesh.plan.estimate import Estimate, PrecisionBytes, memory_estimate, step_time
+from trainmesh.plan.estimate import Estimate, PrecisionBytes, estimate_layout
 from trainmesh.plan.layouts import Candidate, candidates
 from trainmesh.plan.model import ModelSpec
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -50,9 +50,7 @@ class Workload:
 def estimate(work: Workload, cand: Candidate, cluster: Cluster) -> Estimate:
     """Memory and step time of `cand` running `work` on `cluster`."""
     accum = work.global_batch // (cand.dp * cand.micro_batch)
-    est = memory_estimate(work.spec, cand, work.precision, cluster, accum)
-    step_time(work.spec, est, work.precision, cluster, accum, work.tf32)
-    return est
+    return estimate_layout(work.spec, cand, work.precision, cluster, accum, work.tf32)
 
 
 def refused_by_shape(spec: ModelSpec, cand: Candidate) -> bool:

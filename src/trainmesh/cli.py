@@ -275,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for bench.json
             return cmd_bench(args, overrides)
         if args.command == "plan":
-            from trainmesh.plan.command import cmd_plan
-
-            return cmd_plan(args, overrides)
+            return commands.cmd_plan(args, overrides)
         if args.command == "check":
             from trainmesh.parity.command import check_parity_flags, cmd_parity
 

@@ -145,6 +145,15 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`trainmesh plan`: the table and the command to run, on stdout (trainmesh.plan.command does the work)."""
+    from trainmesh.plan.command import plan_command
+
+    text, code = plan_command(args, overrides)
+    print(text)
+    return code
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainmesh.checkpoint.inspect import checkpoints_at, describe, verify_all
 

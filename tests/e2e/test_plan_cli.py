@@ -87,10 +87,12 @@ def test_calibrate_then_plan_on_this_machine(tmp_path: Path, capsys: pytest.Capt
 def test_bad_input_is_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    report = tmp_path / "plan.json"
-    code, _, err = _plan(capsys, "gpt", "--config", str(nano_toml(tmp_path)), "--json", str(report), *args)
-    assert code == 2 and message in err, err
-    assert not report.exists()
+    report, calibration = tmp_path / "plan.json", tmp_path / "calibration.json"
+    config = ["--config", str(nano_toml(tmp_path)), "--json", str(report)]
+    for calibrate in ([], ["--calibrate", "--calibration", str(calibration)]):  # nothing is measured either
+        code, _, err = _plan(capsys, "gpt", *config, *calibrate, *args)
+        assert code == 2 and message in err, err
+        assert not report.exists() and not calibration.exists()
 
 
 def test_a_recipe_the_plan_does_not_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,19 +54,20 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--json={args.json}: the folder {Path(args.json).parent} does not exist. Fix: create it.")
 
 
-def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Calibrate if asked; estimate every layout on the cluster; print the table and the command; write --json."""
+def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, int]:
+    """`trainmesh plan`: calibrate if asked, estimate every layout on the cluster, write --json; the text to show
+    (the table and the command to run) and the exit code. Every input is checked before anything is measured."""
     check_plan_flags(args)
     config = load_config(args.config, overrides, args.target)
     calibration = Path(args.calibration) if args.calibration else calibration_path()
     try:
+        Workload.from_config(config, _config_global_batch(config, 1))  # a recipe the plan models, a whole batch
         if args.calibrate:
             from trainmesh.plan.calibrate import calibrate
 
-            Workload.from_config(config, 1)  # the recipe is one the plan models, before anything runs
             calibrate(config, calibration)
             if args.cluster != "this":
-                return 0
+                return f"calibration saved to {calibration}", 0
         cluster = get_cluster(args.cluster, args.nodes, args.devices_per_node, calibration)
         work = Workload.from_config(config, args.global_batch or _config_global_batch(config, cluster.world_size))
     except ValueError as e:
@@ -77,19 +78,18 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             f"no layout of {cluster.world_size} ranks splits a global batch of {work.global_batch} sequences for "
             f"this model. Fix: a --global-batch that is a multiple of {cluster.world_size}."
         )
-    print(render(work, cluster, estimates, args.top))
+    lines = [render(work, cluster, estimates, args.top), ""]
     best = next((e for e in estimates if e.fits), None)
-    print()
     if best is None:
-        print("No layout fits the device memory: a smaller model, a shorter block_size, or more devices.")
+        lines.append("No layout fits the device memory: a smaller model, a shorter block_size, or more devices.")
     else:
-        print(f"Fastest that fits: {best.candidate.name}, micro-batch {best.candidate.micro_batch}:")
-        print("  " + shlex.join(run_command(args, overrides, cluster, best, work.global_batch)))
+        lines.append(f"Fastest that fits: {best.candidate.name}, micro-batch {best.candidate.micro_batch}:")
+        lines.append("  " + shlex.join(run_command(args, overrides, cluster, best, work.global_batch)))
         if cluster.nodes > 1:
-            print("  (on every node, with the address of the first node's rendezvous in place of <host:port>)")
+            lines.append("  (on every node, with the address of the first node's rendezvous in place of <host:port>)")
     if args.json:
         Path(args.json).expanduser().write_text(json.dumps(to_json(work, cluster, estimates), indent=2) + "\n")
-    return 0 if best is not None else EXIT_NOTHING_FITS
+    return "\n".join(lines), 0 if best is not None else EXIT_NOTHING_FITS
 
 
 def _config_global_batch(config: Config, world_size: int) -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from trainmesh.plan.activations import INT64, GPTActivations, gpt_activations
 from trainmesh.plan.cluster import Cluster
 from trainmesh.plan.layouts import Candidate
-from trainmesh.plan.memory import element_bytes
+from trainmesh.plan.memory import StateBytes, element_bytes
 from trainmesh.plan.model import ModelSpec, Param
 from trainmesh.strategies import SCHEDULES
 
@@ -104,7 +104,7 @@ class Estimate:
         return sum(self.time.values())
 
 
-def _bytes(params: list[Param], tp: int, shard: int, per_element: int) -> float:
+def _bytes(params: list[Param], tp: int, shard: int, per_element: float) -> float:
     return float(sum(p.local_numel(tp, shard) for p in params) * per_element)
 
 
@@ -140,17 +140,18 @@ def stage_memory(
     held = spec.stage_params(stage, cand.pp)
     fsdp = cand.strategy == "fsdp"
     shard = cand.dp_shard if fsdp else 1
-    params = _bytes(held, cand.tp, shard, precision.weight)
-    optimizer = 2 * params + 4 * len(held)
+    state = StateBytes.adamw(precision.name)  # per element of each parameter
+    params = _bytes(held, cand.tp, shard, state.weights)
+    optimizer = _bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
     # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync), and in a pipeline over
     # the schedule's pieces (torch's PipelineStage turns gradient sync and resharding after backward off until
     # the schedule ends; the stage's parameters then stay gathered too)
     in_pipeline = fsdp and cand.pp > 1
     unsharded_grads = fsdp and (accum > 1 or in_pipeline)
-    grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, precision.weight)
+    grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, state.grads)
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
-        host = {"params": params, "grads": _bytes(held, cand.tp, shard, precision.weight), "optimizer": optimizer}
+        host = {"params": params, "grads": _bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
         params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads else 0.0
 
     activations, act = _stage_activations(spec, cand, precision, stage)

@@ -1,7 +1,8 @@
 """Tokenizers are pluggable: anything with `name`, `vocab_size`, `encode` and `decode`.
 
-The default is byte-level (vocabulary 256, nothing to download or train). Register another with
-`register_tokenizer("name", factory)` and select it with `data.tokenizer=name`.
+The default is byte-level (vocabulary 256, nothing to download or train); `gpt2` is OpenAI's GPT-2 BPE
+(data/gpt2.py, the `trainmesh[gpt2]` extra). Register another with `register_tokenizer("name", factory)`
+and select it with `data.tokenizer=name`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from typing import Protocol
 
 import numpy as np
 
+from trainmesh.data.gpt2 import GPT2Tokenizer
+
 
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
+    eot: int | None
+    """The id that separates documents (GPT-2's <|endoftext|>); None: the tokenizer has none."""
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -26,6 +31,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    eot: int | None = None
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -34,7 +40,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-_TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"byte": ByteTokenizer}
+_TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"byte": ByteTokenizer, "gpt2": GPT2Tokenizer}
 
 
 def register_tokenizer(name: str, factory: Callable[[], Tokenizer]) -> None:
@@ -43,5 +49,6 @@ def register_tokenizer(name: str, factory: Callable[[], Tokenizer]) -> None:
 
 def get_tokenizer(name: str) -> Tokenizer:
     if name not in _TOKENIZERS:
-        raise ValueError(f"data.tokenizer={name!r} is unknown; registered: {', '.join(sorted(_TOKENIZERS))}")
+        known = ", ".join(sorted(_TOKENIZERS))
+        raise ValueError(f"data.tokenizer={name!r} is unknown; registered: {known}. Fix: --data.tokenizer=byte")
     return _TOKENIZERS[name]()

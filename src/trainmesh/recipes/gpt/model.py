@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,27 +37,32 @@ class GPTConfig(ModelConfig):
     size: str = "tiny"
     """Named shape: nano | tiny | small | gpt2 (124M) | gpt2-medium (350M) | gpt2-large (774M)."""
     n_layer: int = 0
-    """Transformer blocks; 0: from size."""
+    """Transformer blocks; 0: from size (with init_from: from its config.json)."""
     n_head: int = 0
-    """Attention heads; 0: from size."""
+    """Attention heads; 0: from size (with init_from: from its config.json)."""
     n_embd: int = 0
-    """Embedding width; 0: from size."""
+    """Embedding width; 0: from size (with init_from: from its config.json)."""
     block_size: int = 128
     """Context length in tokens (the sequence length of each sample)."""
     vocab_size: int = 0
-    """Vocabulary size; 0: from the tokenizer (GPT-2 runs usually pad 50257 up to 50304 for speed)."""
+    """Vocabulary size; 0: from the tokenizer or init_from (GPT-2 runs usually pad 50257 up to 50304 for speed)."""
     dropout: float = 0.0
     """Dropout probability on attention weights and residual branches."""
     bias: bool = True
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
+    init_from: str = ""
+    """A local folder of Hugging Face GPT-2 weights (model.safetensors, config.json) to start from; "": random."""
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"model.size={self.size!r} is not one of {', '.join(SIZES)}")
         # The size's values are filled in when built, so the written config states the shape (frozen: no other way).
-        for key, value in zip(("n_layer", "n_head", "n_embd"), SIZES[self.size], strict=True):
-            object.__setattr__(self, key, getattr(self, key) or value)
-        if self.n_embd % self.n_head:
+        # With init_from, the shape left at 0 comes from the folder's config.json instead (the recipe's
+        # complete_model), so the size's values must not take the place of "unset" here.
+        if not self.init_from:
+            for key, value in zip(("n_layer", "n_head", "n_embd"), SIZES[self.size], strict=True):
+                object.__setattr__(self, key, getattr(self, key) or value)
+        if self.n_head and self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head} "
                 f"(each head gets n_embd / n_head dimensions)"
@@ -116,11 +122,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, seed: int | None = None) -> None:
-        """`seed`: of the initial weights (default: torch's current seed). Built on the meta device
+    def __init__(
+        self, cfg: GPTConfig, seed: int | None = None, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """`seed`: of the initial weights (default: torch's current seed); `weights`: full tensors by parameter
+        name that take the place of random ones (see `init_gpt_weights`). Built on the meta device
         (`with torch.device("meta")`), the weights are left to `init_gpt_weights`, after sharding."""
         super().__init__()
         assert cfg.vocab_size > 0, "vocab_size must be resolved (from the tokenizer) before building"
+        assert min(cfg.n_layer, cfg.n_head, cfg.n_embd) > 0, "the shape must be resolved (complete_model) first"
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -131,7 +141,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
         self.init_seed = torch.initial_seed() if seed is None else seed
         """The seed of the initial weights (`init_gpt_weights` gives a meta-built model the same ones)."""
-        init_gpt_weights(self, self.init_seed)
+        init_gpt_weights(self, self.init_seed, weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
@@ -181,13 +191,15 @@ def embed_tokens(wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module, idx: tor
     return drop(wte(idx) + wpe(pos))
 
 
-def init_gpt_weights(module: nn.Module, seed: int) -> None:
+def init_gpt_weights(module: nn.Module, seed: int, weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """GPT-2's initialisation of a GPT or any part of one (a pipeline stage, a sharded model).
 
     Every parameter draws from its own random stream, seeded by (seed, parameter name), so the values
     do not depend on how the model is cut: the whole model, its pipeline stages and its shards get the
     same weights (a DTensor receives this rank's part of the same full tensor; the full tensor is made
     one parameter at a time). The head is tied to the token embedding and draws from its stream.
+    A parameter whose name is in `weights` takes that full tensor instead (cast to its dtype), by the
+    same path, so loaded weights reach every layout too (`weights` may read them lazily, one at a time).
     Parameters still on the meta device are skipped.
     """
     configs = [cfg for m in module.modules() if isinstance(cfg := getattr(m, "cfg", None), GPTConfig)]
@@ -199,7 +211,13 @@ def init_gpt_weights(module: nn.Module, seed: int) -> None:
                     continue
                 name = f"{prefix}.{short}" if prefix else short
                 name = "wte.weight" if name.endswith("lm_head.weight") else name
-                _fill(param, _initial_value(owner, short, tuple(param.shape), seed, name, n_layer))
+                shape = tuple(param.shape)  # a DTensor's is the full tensor's
+                if weights is not None and name in weights:
+                    full = weights[name]
+                    assert tuple(full.shape) == shape, f"{name}: given {tuple(full.shape)}, the model has {shape}"
+                else:
+                    full = _initial_value(owner, short, shape, seed, name, n_layer)
+                _fill(param, full)
 
 
 def _initial_value(
@@ -220,7 +238,7 @@ def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(part)
     else:
-        param.copy_(full)
+        param.copy_(full)  # casts: a bf16 file into fp32 parameters, or the reverse
 
 
 def summed_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from trainmesh.config.schema import Config, ModelConfig
+from trainmesh.core.logging import get_logger
 from trainmesh.data.corpus import (
     BadShardError,
     TokenCorpus,
@@ -22,6 +23,7 @@ from trainmesh.data.corpus import (
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Datasets, Recipe
+from trainmesh.recipes.gpt.hf_init import HFWeights, complete_folder, describe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_weights, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import check_pipeline, check_tensor_parallel, parallelize_gpt, pipeline_stage_gpt
 from trainmesh.recipes.gpt.upgrade import fuse_qkv
@@ -31,6 +33,8 @@ from trainmesh.strategies.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime
+
+log = get_logger(__name__)
 
 
 class GPTRecipe(Recipe):
@@ -43,12 +47,24 @@ class GPTRecipe(Recipe):
         return model.block_size
 
     def complete_model(self, config: Config) -> ModelConfig:
-        """model.vocab_size from the tokenizer for text sources; a folder of shards must state it."""
+        """The shape (and vocabulary) from model.init_from's config.json where it is set (checked against the
+        keys set here); else model.vocab_size from the tokenizer for text sources (a folder of shards must
+        state it)."""
         model = config.model
         assert isinstance(model, GPTConfig)
+        shards = Path(config.data.source).expanduser().is_dir()
+        if model.init_from:
+            model = complete_folder(model)
+            tokens = 0 if shards else get_tokenizer(config.data.tokenizer).vocab_size
+            if tokens > model.vocab_size:  # else found only once the data is tokenised, in every worker
+                raise ValueError(
+                    f"data.tokenizer={config.data.tokenizer!r} has {tokens} tokens, more than model.vocab_size="
+                    f"{model.vocab_size} (model.init_from's vocabulary). Fix: the tokenizer the weights were trained "
+                    f"with, or --model.vocab_size={tokens} (pads the embedding)."
+                )
         if model.vocab_size:
             return model
-        if Path(config.data.source).expanduser().is_dir():
+        if shards:
             raise ValueError(
                 f"data.source={config.data.source!r} holds pre-tokenised shards, so the vocabulary size is "
                 "unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer)."
@@ -68,9 +84,16 @@ class GPTRecipe(Recipe):
         return Datasets(TokenWindows(corpus.train, model.block_size), TokenWindows(corpus.val, model.block_size))
 
     def build_model(self, config: Config, runtime: Runtime) -> nn.Module:
-        assert isinstance(config.model, GPTConfig)
+        """The GPT, its weights from model.init_from when set (a resumed run then loads its checkpoint over them);
+        on the meta device, `parallel_plan`'s init_weights gives them after sharding."""
+        cfg = config.model
+        assert isinstance(cfg, GPTConfig)
         del runtime
-        return GPT(config.model, config.run.seed)  # also the seed of init_weights after a meta build
+        weights = HFWeights(cfg) if cfg.init_from else None
+        model = GPT(cfg, config.run.seed, weights)  # the seed: also of init_weights after a meta build
+        if weights is not None and not any(p.is_meta for p in model.parameters()):
+            log.info("%s", describe(cfg))
+        return model
 
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
         return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
@@ -91,11 +114,16 @@ class GPTRecipe(Recipe):
 
     def parallel_plan(self, model: nn.Module) -> ParallelPlan:
         assert isinstance(model, GPT)
-        seed = model.init_seed
+        seed, cfg = model.init_seed, model.cfg
+        weights = HFWeights(cfg) if cfg.init_from else None
+
+        def init_weights(part: nn.Module) -> None:
+            init_gpt_weights(part, seed, weights)
+            if weights is not None:
+                log.info("%s", describe(cfg))
+
         return ParallelPlan(
-            tensor_parallel=parallelize_gpt,
-            pipeline_stage=pipeline_stage_gpt,
-            init_weights=lambda part: init_gpt_weights(part, seed),
+            tensor_parallel=parallelize_gpt, pipeline_stage=pipeline_stage_gpt, init_weights=init_weights
         )
 
     def count_targets(self, batch: Any) -> int:

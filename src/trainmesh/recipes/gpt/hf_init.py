@@ -1,0 +1,182 @@
+"""`model.init_from`: start a GPT from a local folder of Hugging Face GPT-2 weights.
+
+    trainmesh run gpt --model.init_from=~/models/gpt2 --model.block_size=1024 --data.tokenizer=gpt2 ...
+
+Only a local folder is read, never the hub, and of it only `config.json` and `model.safetensors`: a pickled
+`pytorch_model.bin` can run code when loaded, so it is refused with the command that converts it. When the
+job is resolved (`complete_folder`, from the recipe's `complete_model`), config.json's shape fills in the
+model keys left unset (n_layer, n_head, n_embd, vocab_size: 0) and is checked against those that are set,
+and the file's tensor names and shapes are checked, so `trainmesh check` refuses a folder that does not fit
+before anything starts. `block_size` may be shorter than GPT-2's n_positions (the position embeddings are
+cut); a `vocab_size` larger than the file's pads the token embedding with rows equal to the mean of its
+rows (the tied head then gives each padded token the mean logit: small, and never a token of the data).
+
+The tensors are read when the model is initialised (`HFWeights`, one at a time, by `init_gpt_weights`), so
+every layout gets them the same way as random weights: whole models, shards and pipeline stages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from trainmesh.recipes.gpt.hf import HF_BUFFERS, HF_PREFIX, from_hf_tensor, gpt_names, hf_name, hf_problems, hf_shapes
+from trainmesh.recipes.gpt.model import GPTConfig
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+_SHAPE = ("n_layer", "n_head", "n_embd")
+
+
+def complete_folder(model: GPTConfig) -> GPTConfig:
+    """`model` with its shape from model.init_from's config.json (ValueError naming the key to fix when the
+    folder cannot be read, does not hold GPT-2 weights trainmesh reads, or disagrees with a key set here)."""
+    folder = Path(model.init_from).expanduser()
+    given = f"model.init_from={model.init_from!r}"
+    if not folder.is_dir():
+        raise ValueError(
+            f"{given} is not a folder on this machine. trainmesh reads local folders only and downloads nothing. "
+            "Fix: fetch the model first (e.g. `hf download openai-community/gpt2 config.json model.safetensors "
+            "--local-dir gpt2`) and pass that folder."
+        )
+    folder = folder.resolve()  # recorded absolute: every rank and a later --resume read the same folder
+    _check_files(folder, given)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{given}: cannot read {folder / CONFIG}: {e}") from None
+    problems = hf_problems(config)
+    if problems:
+        raise ValueError(
+            f"{given}: {folder / CONFIG} describes a model trainmesh's GPT does not compute: {'; '.join(problems)}. "
+            "Fix: another model.init_from (a GPT-2 model)."
+        )
+    if not model.bias:
+        raise ValueError(f"model.bias=false, but the GPT-2 weights of {given} have biases. Fix: --model.bias=true.")
+    from_file = {key: int(config[key]) for key in (*_SHAPE, "vocab_size", "n_positions")}
+    filled: dict[str, Any] = {"init_from": str(folder)}
+    for key in (*_SHAPE, "vocab_size"):
+        value = getattr(model, key)
+        if not value:
+            filled[key] = from_file[key]
+        elif key != "vocab_size" and value != from_file[key]:
+            raise ValueError(
+                f"model.{key}={value}, but {folder / CONFIG} (model.init_from) has {key}={from_file[key]}. "
+                f"Fix: leave model.{key} unset (it is then taken from the folder), or set it to {from_file[key]}."
+            )
+    vocab = filled.get("vocab_size", model.vocab_size)
+    if vocab < from_file["vocab_size"]:
+        raise ValueError(
+            f"model.vocab_size={vocab} is smaller than the vocabulary of model.init_from ({from_file['vocab_size']} "
+            f"in {folder / CONFIG}); rows cannot be dropped. Fix: model.vocab_size >= {from_file['vocab_size']} "
+            "(larger pads it), or unset."
+        )
+    if model.block_size > from_file["n_positions"]:
+        raise ValueError(
+            f"model.block_size={model.block_size} is longer than the {from_file['n_positions']} positions of "
+            f"model.init_from (n_positions in {folder / CONFIG}). Fix: --model.block_size={from_file['n_positions']} "
+            "or less."
+        )
+    completed = replace(model, **filled)
+    _check_tensors(folder, completed, from_file["vocab_size"], from_file["n_positions"], given)
+    return completed
+
+
+def _check_files(folder: Path, given: str) -> None:
+    if not (folder / CONFIG).is_file():
+        raise ValueError(f"{given}: {folder} has no {CONFIG}. Fix: a folder saved by save_pretrained (it writes both).")
+    if (folder / WEIGHTS).is_file():
+        return
+    if any(folder.glob("model-*-of-*.safetensors")) or (folder / f"{WEIGHTS}.index.json").is_file():
+        raise ValueError(
+            f"{given}: {folder} holds the weights in several files (model-*-of-*.safetensors); trainmesh reads one "
+            f"{WEIGHTS}. Fix: save it again as one file: model.save_pretrained(folder, max_shard_size='100GB')."
+        )
+    found = ", ".join(sorted(p.name for p in folder.glob("*.bin"))) or "no weights"
+    raise ValueError(
+        f"{given}: {folder} has no {WEIGHTS} ({found}). trainmesh reads safetensors only: a pickled .bin file can run "
+        'code when it is loaded. Fix: convert it once, where you trust the file: python -c "from transformers import '
+        f"GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\", "
+        f"then --model.init_from={folder}-safetensors."
+    )
+
+
+def _check_tensors(folder: Path, model: GPTConfig, vocab_size: int, n_positions: int, given: str) -> None:
+    """The file holds GPT-2's tensors of config.json's shape, and nothing trainmesh would leave out."""
+    expected = hf_shapes(model, vocab_size, n_positions)
+    try:
+        with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+            found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ValueError(f"{given}: {folder / WEIGHTS} is not a readable safetensors file: {e}") from None
+    bare = {name.removeprefix(HF_PREFIX): shape for name, shape in found.items() if not HF_BUFFERS.fullmatch(name)}
+    bare.pop("lm_head.weight", None)  # tied to wte (tie_word_embeddings, checked): transformers ignores it too
+    problems = [f"{name}: missing" for name in expected if name not in bare]
+    problems += [f"{name}: not a GPT-2 weight" for name in bare if name not in expected]
+    problems += [
+        f"{name}: {bare[name]}, config.json's shape needs {shape}"
+        for name, shape in expected.items()
+        if name in bare and bare[name] != shape
+    ]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ValueError(
+            f"{given}: {folder / WEIGHTS} does not hold the GPT-2 model its config.json describes: {shown}. "
+            "Fix: a folder written by GPT2LMHeadModel.save_pretrained."
+        )
+
+
+class HFWeights(Mapping[str, torch.Tensor]):
+    """The initial weights of a GPT of `cfg` (completed by `complete_folder`) from its init_from folder, by
+    trainmesh parameter name, each read from model.safetensors when asked for (so a rank holds one full
+    tensor at a time), in trainmesh's layout, cut or padded to `cfg`'s block_size and vocab_size."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        assert cfg.init_from, "HFWeights needs model.init_from"
+        self.cfg = cfg
+        self.path = Path(cfg.init_from) / WEIGHTS
+        self._names = [name for name in gpt_names(cfg) if name != "lm_head.weight"]
+        self._stored: dict[str, str] | None = None  # GPT-2 name without prefix -> as stored
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        with safe_open(str(self.path), framework="pt") as f:
+            if self._stored is None:
+                self._stored = {key.removeprefix(HF_PREFIX): key for key in f.keys()}  # noqa: SIM118
+            stored = self._stored[hf_name(name).removeprefix(HF_PREFIX)]
+            tensor = from_hf_tensor(stored, f.get_tensor(stored), self.cfg.n_head)
+        if name == "wpe.weight":
+            return tensor[: self.cfg.block_size]  # positions beyond the context are never used
+        if name == "wte.weight" and tensor.shape[0] < self.cfg.vocab_size:
+            pad = tensor.float().mean(dim=0).to(tensor.dtype).expand(self.cfg.vocab_size - tensor.shape[0], -1)
+            return torch.cat([tensor, pad])
+        return tensor
+
+
+def describe(cfg: GPTConfig) -> str:
+    """One line for the log: where the weights came from and what was adapted."""
+    with safe_open(str(Path(cfg.init_from) / WEIGHTS), framework="pt") as f:
+        stored = {key.removeprefix(HF_PREFIX): key for key in f.keys()}  # noqa: SIM118
+        vocab, positions = (f.get_slice(stored[n]).get_shape()[0] for n in ("wte.weight", "wpe.weight"))
+    notes = [f"{len(gpt_names(cfg)) - 1} tensors"]
+    if vocab < cfg.vocab_size:
+        notes.append(f"vocabulary padded {vocab} -> {cfg.vocab_size} with the mean embedding")
+    if positions > cfg.block_size:
+        notes.append(f"positions cut {positions} -> {cfg.block_size}")
+    return f"initial weights from {cfg.init_from} (model.init_from): {', '.join(notes)}"

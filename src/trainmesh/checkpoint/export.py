@@ -1,7 +1,9 @@
-"""`trainmesh ckpt export`: a checkpoint's model weights as one safetensors file, bit for bit.
+"""`trainmesh ckpt export`: a checkpoint's model weights as one safetensors file, bit for bit, or as a folder in
+another program's format (`export_folder`; the recipe converts, e.g. the GPT to Hugging Face's GPT-2).
 
     trainmesh ckpt export runs/<name>                       # its newest checkpoint that verifies
     trainmesh ckpt export runs/<name>/checkpoints/step_00000300 -o model.safetensors
+    trainmesh ckpt export --format hf runs/<name>           # -> runs/<name>/export/hf_step_XXXXXXXX/
 
 The checkpoint is verified against its manifest before anything in it is read (an unverified one is
 refused, with its problems). The default output is `<run>/export/model_step_XXXXXXXX.safetensors`; an
@@ -20,9 +22,11 @@ checkpoint and that exported it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -42,7 +46,25 @@ EXPORT_DIR = "export"
 
 
 class ExportError(UserError, ValueError):
-    """The export was refused: an unverified checkpoint, an existing output, a non-tensor entry."""
+    """The export was refused: an unverified checkpoint, a non-tensor entry, a model the format cannot hold."""
+
+
+class ExportUsageError(ExportError):
+    """The export command needs fixing: an existing output without --force, a file where a folder goes, a
+    format the checkpoint's recipe has none of (the CLI's exit code 2, where a refused checkpoint gets 1)."""
+
+
+class FolderFormat(Protocol):
+    """A format whose export is a folder of files, written by the recipe that knows the model."""
+
+    name: str
+    """As --format names it; also the default output's prefix (`<run>/export/<name>_step_XXXXXXXX`)."""
+
+    def check(self, state: TrainerState) -> None:
+        """Refuse (ExportError) a checkpoint this format cannot hold, before its tensors are read."""
+
+    def write(self, model_state: dict[str, torch.Tensor], state: TrainerState, folder: Path) -> int:
+        """Write the files into `folder` (new and empty); returns how many tensors were written."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +106,9 @@ def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) 
     in_run = out is None
     out = out if out is not None else default_output(ckpt, step)
     if out.is_dir():
-        raise ExportError(f"{out} is a directory. Fix: -o a file path, e.g. -o {out / 'model.safetensors'}")
+        raise ExportUsageError(f"{out} is a directory. Fix: -o a file path, e.g. -o {out / 'model.safetensors'}")
     if out.exists() and not force:
-        raise ExportError(f"{out} already exists. Fix: pass --force to overwrite it, or -o another path.")
+        raise ExportUsageError(f"{out} already exists. Fix: pass --force to overwrite it, or -o another path.")
     tensors = standalone_tensors(read_full_state(ckpt)["model"])
     if in_run:  # inside the run folder: a real directory, not one planted as a symlink
         make_dirs(out.parent.parent, EXPORT_DIR)
@@ -96,11 +118,59 @@ def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) 
     tmp.unlink(missing_ok=True)  # a crashed export's; unlink never follows a symlink
     try:
         open_file(tmp, "xb").close()  # created here, so that save_file writes to no symlink's target
-        save_file(tensors, str(tmp), metadata=_metadata(state))
+        save_file(tensors, str(tmp), metadata=export_metadata(state))
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return Exported(ckpt, out, step, len(tensors), out.stat().st_size)
+
+
+def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force: bool = False) -> Exported:
+    """Verify, then write a checkpoint's (or a run's newest valid one's) model as a folder in format `fmt`.
+
+    The folder is written under a temporary name beside `out` and renamed into place, so a failed export leaves
+    nothing behind; an existing `out` is replaced (after the new one is complete) only with `force`."""
+    ckpt = exportable_checkpoint(path)
+    state = TrainerState.read(ckpt)
+    fmt.check(state)
+    in_run = out is None
+    out = out if out is not None else default_output(ckpt, state.step).with_name(f"{fmt.name}_step_{state.step:08d}")
+    if out.exists() and not out.is_dir():
+        raise ExportUsageError(f"{out} is a file; --format {fmt.name} writes a folder. Fix: -o a folder path.")
+    if out.exists() and not force:
+        raise ExportUsageError(f"{out} already exists. Fix: pass --force to replace it, or -o another folder.")
+    model_state = read_full_state(ckpt)["model"]
+    if in_run:  # inside the run folder: a real directory, not one planted as a symlink
+        make_dirs(out.parent.parent, EXPORT_DIR)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (out.with_name(f".{out.name}.{what}.{os.getpid()}") for what in ("tmp", "old"))
+    for leftover in (tmp, old):
+        _remove(leftover)
+    try:
+        tmp.mkdir()
+        tensors = fmt.write(model_state, state, tmp)
+        if out.exists():  # a folder cannot be renamed over a non-empty one: move it aside first
+            out.rename(old)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if old.exists():  # put the previous export back: fail without losing it
+                old.rename(out)
+            raise
+    finally:
+        _remove(tmp)
+        _remove(old)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return Exported(ckpt, out, state.step, tensors, size)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a folder tree; never follows a symlink (rmtree refuses one, unlink removes the link)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -121,7 +191,8 @@ def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _metadata(state: TrainerState) -> dict[str, str]:
+def export_metadata(state: TrainerState) -> dict[str, str]:
+    """The header metadata of an exported safetensors file: where it came from (string to string)."""
     run, model = state.config.get("run", {}), state.config.get("model", {})
     return {
         "format": "pt",  # the convention of Hugging Face loaders: PyTorch tensor layout

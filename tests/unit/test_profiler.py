@@ -1,5 +1,5 @@
 """The [profile] section on CPU: traces with the step phases, the out-of-memory hint, rank lists; and the
-TF32 switch's MFU peak (the GPU side is in tests/gpu)."""
+TF32 switch's MFU peak and start-of-run line (the GPU side is in tests/gpu)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 
 from support import nano_config
 from trainmesh.config import ConfigError
-from trainmesh.config.schema import ProfileConfig
-from trainmesh.core.dist import set_tf32
+from trainmesh.config.schema import DistConfig, ProfileConfig
+from trainmesh.core.dist import set_tf32, tf32_note
 from trainmesh.metrics import mfu
 from trainmesh.metrics.profiler import PHASES, StepProfiler
+from trainmesh.runtime.runtime import Runtime
 from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
@@ -78,6 +79,28 @@ def test_tf32_leaves_cpu_matmuls_alone() -> None:
     before = torch.get_float32_matmul_precision()
     set_tf32(CPU, True)
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_tf32_is_reported_where_it_applies_and_only_there(capfd: pytest.CaptureFixture[str]) -> None:
+    """set_tf32 on a CUDA device sets the process-wide switches a GPU reads (settable without one), and the line
+    a run logs at start says what they are; a CPU has no TF32: no line, and the runtime says it is off."""
+    cuda = torch.device("cuda")
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        set_tf32(cuda, True)
+        assert tf32_note(cuda) == (
+            "TF32 matmuls: on (train.tf32=true: float32 matmuls and cuDNN convolutions on TF32 tensor cores)"
+        )
+        set_tf32(cuda, False)
+        assert tf32_note(cuda) == "TF32 matmuls: off (train.tf32=false: full float32 matmuls)"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+    assert tf32_note(CPU) is None
+    runtime = Runtime(dist=DistConfig(device="cpu"), tf32=True)
+    runtime.print("runtime ready")  # rank 0's log, where the TF32 line would be
+    log = capfd.readouterr().err
+    assert "runtime ready" in log and "TF32" not in log and not runtime.tf32
 
 
 def test_an_out_of_memory_wrapped_in_another_error_is_still_recognised(

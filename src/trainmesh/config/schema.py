@@ -190,7 +190,7 @@ class TrainConfig:
     under fsdp, tensor and pipeline parallelism (where blocks are sharded or split across ranks)."""
     tf32: bool = True
     """CUDA: let float32 matmuls and convolutions use TF32 tensor cores (about 8x the fp32 rate, 10-bit mantissa
-    products); false: full fp32. Affects 32-true and the fp32 parts of mixed precision."""
+    products); false: full fp32. Affects 32-true and the fp32 parts of mixed precision; the run logs it at start."""
     nonfinite: str = "abort"
     """A NaN/inf gradient: abort (before the optimizer step, naming step and ranks) | skip (all ranks skip the step)."""
     max_skipped_steps: int = 5

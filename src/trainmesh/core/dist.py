@@ -232,3 +232,13 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if enabled else "highest")
         torch.backends.cudnn.allow_tf32 = enabled
+
+
+def tf32_note(device: torch.device) -> str | None:
+    """The line a run logs at start on whether float32 matmuls use TF32 here; None off CUDA, where TF32 does not
+    exist (a CPU computes float32 in float32)."""
+    if device.type != "cuda":
+        return None
+    on = torch.get_float32_matmul_precision() != "highest"
+    where = "float32 matmuls and cuDNN convolutions on TF32 tensor cores" if on else "full float32 matmuls"
+    return f"TF32 matmuls: {'on' if on else 'off'} (train.tf32={str(on).lower()}: {where})"

@@ -34,6 +34,7 @@ from trainmesh.core.dist import (
     set_deterministic,
     set_tf32,
     teardown,
+    tf32_note,
 )
 from trainmesh.core.env import DistEnv
 from trainmesh.core.errors import UserError
@@ -134,6 +135,9 @@ class Runtime:
             set_tf32(self.device, tf32)
         self.tf32 = self.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
         """Whether float32 matmuls run on TF32 tensor cores here (it sets the MFU peak)."""
+        note = tf32_note(self.device)
+        if note:
+            self.log.info(note)
         if seed is not None:
             seed_everything(seed)
 

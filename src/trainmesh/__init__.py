@@ -15,7 +15,15 @@ from importlib import import_module, metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainmesh.config.schema import Config, DDPConfig, DistConfig, FSDPConfig, ParallelConfig, PipelineConfig
+    from trainmesh.config.schema import (
+        Config,
+        DDPConfig,
+        DistConfig,
+        Float8Config,
+        FSDPConfig,
+        ParallelConfig,
+        PipelineConfig,
+    )
     from trainmesh.job import Job, load_config, resolve
     from trainmesh.recipes.base import Datasets, Recipe
     from trainmesh.runtime.runtime import Runtime
@@ -32,6 +40,7 @@ _LAZY = {
     "DDPConfig": "trainmesh.config.schema",
     "DistConfig": "trainmesh.config.schema",
     "FSDPConfig": "trainmesh.config.schema",
+    "Float8Config": "trainmesh.config.schema",
     "ParallelConfig": "trainmesh.config.schema",
     "PipelineConfig": "trainmesh.config.schema",
     "Job": "trainmesh.job",
@@ -47,6 +56,7 @@ __all__ = [
     "Datasets",
     "DistConfig",
     "FSDPConfig",
+    "Float8Config",
     "Job",
     "ParallelConfig",
     "PipelineConfig",

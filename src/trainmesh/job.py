@@ -16,6 +16,7 @@ every checkpoint record the same `job.config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class Job:
         c = self.config
         return Runtime(
             precision=c.train.precision,
+            float8=c.float8,
             parallel=c.parallel,
             dist=c.dist,
             compile=c.train.compile,
@@ -146,7 +148,7 @@ def resolve(
     try:
         config = dataclasses.replace(config, model=recipe.complete_model(config))  # as load_config did: a no-op
         layout = resolve_parallelism(par, world_size)
-        check_layout(par, layout, train.precision)
+        check_layout(par, layout, train.precision, config.float8)
         recipe.check_parallel(config, layout.dims)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -157,6 +159,8 @@ def resolve(
             f"{par.pipeline.microbatches} equal pieces for the pipeline. Fix: a train.micro_batch that is a "
             f"multiple of {par.pipeline.microbatches}, or --parallel.pipeline.microbatches={fits}."
         )
+    if train.precision == "fp8-mixed":
+        _check_fp8_tokens(train.micro_batch, par.pipeline.microbatches if layout.dims.pp > 1 else 1, recipe, config)
     try:
         others = [resolve_parallelism(par, w).dims.dp_size for w in other_world_sizes if w != world_size]
         batch = BatchPlan.derive(
@@ -170,6 +174,24 @@ def resolve(
     except (BatchMathError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return Job(config, world_size, layout, batch, recipe)
+
+
+def _check_fp8_tokens(micro_batch: int, pieces: int, recipe: Recipe, config: Config) -> None:
+    """A float8 weight gradient is a matmul over the tokens of a forward, and float8 matmuls (torch._scaled_mm)
+    need their inner dimension to be a multiple of 16: so must a micro-batch piece's token count be. Checked for
+    token recipes (others feed their linear layers one row per sample, and their widths decide what converts)."""
+    per_sample = recipe.tokens_per_sample(config.model)
+    tokens = micro_batch // pieces * per_sample
+    if not per_sample or tokens % 16 == 0:
+        return
+    step = pieces * 16 // math.gcd(16, per_sample)  # the micro-batches whose pieces hold a multiple of 16 tokens
+    split = f" / parallel.pipeline.microbatches={pieces}" if pieces > 1 else ""
+    raise ConfigError(
+        f"train.precision='fp8-mixed': a forward of train.micro_batch={micro_batch}{split} samples × {per_sample} "
+        f"tokens holds {tokens} tokens, but float8 matmuls need a multiple of 16 (the weight gradients are matmuls "
+        f"over the tokens). Fix: --train.micro_batch={-(-micro_batch // step) * step} (a multiple of {step}), or "
+        "--train.precision=bf16-mixed."
+    )
 
 
 def _divisor(n: int, near: int) -> int:

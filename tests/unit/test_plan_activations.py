@@ -13,6 +13,7 @@ from trainmesh.plan.activations import ATTENTION, GPTActivations, gpt_activation
 
 pytestmark = pytest.mark.timeout(60)
 
+PLANNED = [p for p in PRECISIONS if p != "fp8-mixed"]  # trainmesh plan does not model fp8-mixed (it refuses it)
 SHAPE = (3, 4, 64, 96, 24, 2)
 """n_layer, n_head, n_embd, vocab, seq, batch: every width differs (head size 16, seq 24, vocab 96, h 64), so a term
 counted with the wrong one cannot pass."""
@@ -40,7 +41,7 @@ def test_the_fp32_flash_formula_matches_what_autograd_saves(
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", PLANNED)
 def test_every_precision_and_attention_kernel_with_checkpointing(precision: str, attention: str) -> None:
     """Blocks 0 and 2 of 3 checkpointed (parallel.activation_checkpointing=2): each keeps its input; block 1 all of
     its activations. 16-mixed is measured too: CPU autocast runs float16 in torch 2.13 (same sizes as bf16-mixed)."""

@@ -13,7 +13,8 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEBUG_LEVELS = ("off", "info", "detail")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "fp8-mixed")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 PIPELINE_SCHEDULES = (
@@ -182,7 +183,8 @@ class TrainConfig:
     global_batch_tokens: int = 0
     """Tokens per optimizer step (token recipes; e.g. 524288 for GPT-2); overrides global_batch."""
     precision: str = "32-true"
-    """32-true | bf16-mixed | 16-mixed | bf16-true."""
+    """32-true | bf16-mixed | 16-mixed | bf16-true | fp8-mixed (bf16-mixed with float8 linear layers through
+    torchao: GPUs of compute capability 8.9+, see [float8])."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     compile: bool = False
@@ -211,6 +213,28 @@ class TrainConfig:
         _at_least("train.max_skipped_steps", self.max_skipped_steps, 1)
         _at_least("train.eval_every", self.eval_every, 0)
         _at_least("train.eval_samples", self.eval_samples, 1)
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    recipe: str = "tensorwise"
+    """fp8-mixed: torchao's scaling recipe: tensorwise (one scale per tensor, the fastest) | rowwise (a scale per
+    row, e4m3 gradients and power-of-2 scales: more accurate, slower)."""
+    fsdp_all_gather: bool = False
+    """fp8-mixed under fsdp: all-gather the float8 layers' weights in float8 (half of bf16's traffic), their scales
+    computed in one all-reduce after each optimizer step; tensorwise only."""
+    emulate: bool = False
+    """fp8-mixed without float8 tensor cores (a CPU, an older GPU): torchao computes the same float8 roundings in
+    high precision. No speed-up: for testing fp8-mixed's numerics and setup."""
+
+    def __post_init__(self) -> None:
+        _one_of("float8.recipe", self.recipe, FLOAT8_RECIPES)
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            raise ValueError(
+                f"float8.fsdp_all_gather=true with float8.recipe={self.recipe!r}: torchao casts weights to float8 "
+                "before the all-gather with one scale per tensor only. "
+                "Fix: --float8.recipe=tensorwise, or --float8.fsdp_all_gather=false."
+            )
 
 
 @dataclass(frozen=True)
@@ -370,6 +394,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -33,7 +33,10 @@ def predict(job: Job, cluster: Cluster) -> Estimate | None:
     config, model = job.config, job.config.model
     if not isinstance(model, GPTConfig):
         return None
-    precision = PrecisionBytes(config.train.precision)
+    # fp8-mixed as bf16-mixed: the same fp32 model states and bf16 activations; of its float8 layers it keeps no
+    # autocast bf16 weight copies, but casts each layer's input and weight to float8 for a moment (memory_lines says so)
+    name = config.train.precision
+    precision = PrecisionBytes("bf16-mixed" if name == "fp8-mixed" else name)
     cand, accum = Candidate.from_job(job), job.batch.accum_steps
     return estimate_layout(ModelSpec(model), cand, precision, cluster, accum, config.train.tf32)
 
@@ -54,6 +57,8 @@ def memory_lines(job: Job, processes_per_node: int) -> list[str]:
         f"  memory per rank, predicted{where}: {est.total_memory / scale:.2f} {unit} = {parts}, temporaries "
         f"{extra:.2f}, overhead {m['overhead'] / scale:.2f} {unit}{host}"
     ]
+    if job.config.train.precision == "fp8-mixed":
+        lines.append("  (fp8-mixed predicted as bf16-mixed, which holds the same model states and activations)")
     if not est.fits:
         lines.append(
             f"  WARNING: that is more than the {cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank "

@@ -22,8 +22,14 @@ class Precision(ABC):
     """True when the precision itself skips steps whose gradients overflow (a GradScaler)."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast the model's parameters if this precision stores them in a low-precision dtype."""
+        """Cast the model's parameters if this precision stores them in a low-precision dtype, or swap its layers
+        for low-precision ones (fp8-mixed); the whole model, before the strategy shards, splits or compiles it."""
         return module
+
+    def attach(self, module: nn.Module) -> None:
+        """The model as the strategy left it on this rank (sharded, or this rank's pipeline stages): for a
+        precision that works on it after each optimizer step. Called once per model by Runtime.setup."""
+        del module  # most precisions only need the optimizer
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

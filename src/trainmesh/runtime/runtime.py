@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from trainmesh.config.schema import DistConfig, ParallelConfig
+from trainmesh.config.schema import DistConfig, Float8Config, ParallelConfig
 from trainmesh.core.dist import (
     init_process_group,
     seed_everything,
@@ -84,13 +84,15 @@ class Runtime:
     """Keyword-only; every argument has a default. `strategy` is short for `parallel.strategy`: the
     `[parallel]` section (its degrees, ddp/fsdp/pipeline options) and `[dist]` section (device, backend,
     timeouts) are the config's own dataclasses (trainmesh.config.schema). `layout`: the strategy and mesh
-    degrees already resolved for this world size (the worker passes its Job's); None: resolved here."""
+    degrees already resolved for this world size (the worker passes its Job's); None: resolved here. `float8`:
+    the [float8] section's options of precision="fp8-mixed"."""
 
     def __init__(
         self,
         *,
         strategy: str | None = None,
         precision: str = "32-true",
+        float8: Float8Config | None = None,
         parallel: ParallelConfig | None = None,
         dist: DistConfig | None = None,
         compile: bool = False,
@@ -109,10 +111,10 @@ class Runtime:
         self.log = configure_logging(self.env.rank, self.env.world_size)
         layout = layout or resolve_parallelism(parallel, self.env.world_size)
         assert layout.dims.world_size == self.env.world_size, f"{layout} resolved for another world size"
-        check_layout(parallel, layout, precision)
+        check_layout(parallel, layout, precision, float8)
         self.device = select_device(dist_config.device, self.env)
         self.backend = select_backend(dist_config.backend, self.device)
-        self.precision: Precision = build_precision(precision, self.device)
+        self.precision: Precision = build_precision(precision, self.device, float8)
         init_process_group(
             self.env,
             self.backend,
@@ -261,7 +263,10 @@ class Runtime:
                 "shards or keeps only some of them, so an optimizer built before setup() would update stale "
                 "tensors. Fix: model = rt.setup(model), then build the optimizer from model.parameters()."
             )
+        # The precision converts the whole model first (fp8-mixed swaps its linear layers), then the strategy
+        # shards, splits, checkpoints and compiles what it converted.
         wrapped = self.strategy.setup_module(self.precision.convert_module(model), plan)
+        self.precision.attach(wrapped)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

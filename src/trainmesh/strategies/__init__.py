@@ -7,7 +7,7 @@
 stage in the data-parallel strategy.
 
     layout = resolve_parallelism(config.parallel, world_size)   # what `auto` means, the degrees
-    check_layout(config.parallel, layout, precision)             # combinations that cannot work
+    check_layout(config.parallel, layout, precision, config.float8)   # combinations that cannot work
     strategy = build_strategy(layout, env=..., device=..., parallel=config.parallel)
 """
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainmesh.config.schema import STRATEGIES, ParallelConfig
+from trainmesh.config.schema import STRATEGIES, Float8Config, ParallelConfig
 from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Objective, Strategy
 from trainmesh.strategies.ddp import DDPStrategy
@@ -97,10 +97,10 @@ def resolve_parallelism(parallel: ParallelConfig, world_size: int) -> Layout:
     return Layout(name, dims)
 
 
-def check_layout(parallel: ParallelConfig, layout: Layout, precision: str) -> None:
-    """Refuse combinations of a resolved layout with its options or `precision` (train.precision) that cannot
-    work (ValueError naming the keys and a fix). The one place for these checks: `Runtime` and
-    `trainmesh check` both call it."""
+def check_layout(parallel: ParallelConfig, layout: Layout, precision: str, float8: Float8Config | None = None) -> None:
+    """Refuse combinations of a resolved layout with its options or `precision` (train.precision, with its
+    `float8` options) that cannot work (ValueError naming the keys and a fix). The one place for these checks:
+    `Runtime` and `trainmesh check` both call it."""
     name, dims = layout
     model_parallel = f"parallel.pp={dims.pp} / parallel.tp={dims.tp}"
     problem = schedule_problem(parallel.pipeline, dims.pp) if dims.pp > 1 else None
@@ -117,11 +117,28 @@ def check_layout(parallel: ParallelConfig, layout: Layout, precision: str) -> No
             "rank's part of the gradients, and ranks could disagree on skipping a step. "
             "Fix: --train.precision=bf16-mixed."
         )
+    if precision == "fp8-mixed":
+        _check_fp8_layout(name, dims, float8 or Float8Config())
     if name == "ddp" and parallel.ddp.comm_hook == "powersgd" and precision == "16-mixed":
         raise ValueError(
             "parallel.ddp.comm_hook='powersgd' with train.precision='16-mixed': PowerSGD's error feedback would hold "
             "gradients in the loss scale of their step, which changes, and an overflow would enter it. "
             "Fix: --train.precision=bf16-mixed (or 32-true), or another parallel.ddp.comm_hook."
+        )
+
+
+def _check_fp8_layout(name: str, dims: ParallelDims, float8: Float8Config) -> None:
+    if dims.tp > 1:
+        raise ValueError(
+            f"train.precision='fp8-mixed' with parallel.tp={dims.tp} is not supported yet: float8 linear layers "
+            "need torchao's float8 tensor-parallel styles (Float8ColwiseParallel, Float8RowwiseParallel), and the "
+            "recipes' tensor-parallel plans use torch's. Fix: --parallel.tp=1 (fsdp and pipeline parallelism work "
+            "with fp8-mixed), or --train.precision=bf16-mixed."
+        )
+    if float8.fsdp_all_gather and name != "fsdp":
+        raise ValueError(
+            f"float8.fsdp_all_gather=true, but the data-parallel strategy is {name!r}: only fsdp all-gathers "
+            "weights. Fix: --parallel.strategy=fsdp, or --float8.fsdp_all_gather=false."
         )
 
 

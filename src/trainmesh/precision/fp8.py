@@ -10,8 +10,9 @@ unchanged and checkpoints move freely between fp8-mixed and the other precisions
 Kept in high precision (bf16 under autocast), by rules that need nothing from the recipe:
 
 - a Linear whose weight or bias is shared with another module: a tied output head (the GPT's `lm_head`, which
-  is `wte`'s matrix). torchtitan keeps its output head out of float8 for accuracy; here it also has to be, as
-  float8 all-gather (float8.fsdp_all_gather) wraps a converted weight in a new Parameter, which would untie it;
+  is `wte`'s matrix). torchtitan's float8 configs leave the output head out too (filter_fqns=["output"]); here it
+  has to be, as float8 all-gather (float8.fsdp_all_gather) wraps a converted weight in a new Parameter, which
+  would untie it;
 - a Linear whose in or out features are not multiples of 16, which float8 matmuls (torch._scaled_mm) need.
 
 Everything else (attention's softmax, LayerNorm, the loss) runs as under bf16-mixed.

@@ -10,6 +10,7 @@ trainmesh env
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
 trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GPT-2 folder (from_pretrained loads it)
+trainmesh horovodrun -np 2 python train.py            # a Horovod script (import trainmesh.horovod as hvd)
 
 This module only parses: it imports no torch, so `trainmesh --help` is instant. What each command does is
 in trainmesh.commands, imported once the command line is understood.
@@ -192,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_flags(bench)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    sub.add_parser(  # parsed by trainmesh.horovodrun (main hands it the arguments): horovodrun's own flags
+        "horovodrun",
+        add_help=False,
+        help="run a Horovod script: horovodrun -np N [-H ...] mapped onto run's launch (trainmesh horovodrun --help)",
+    )
     plan = sub.add_parser(
         "plan",
         help="predict memory per rank and step time for every layout of a job on a cluster, fastest first",
@@ -262,8 +268,11 @@ def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["horovodrun"]:
+        return _horovodrun(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     try:
         from trainmesh import commands  # torch and everything else, now that the command line is understood
 
@@ -282,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from trainmesh.bench.command import cmd_bench
 
-            args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for bench.json
+            args.command_line = ["trainmesh", *argv]  # for bench.json
             return cmd_bench(args, overrides)
         if args.command == "plan":
             return commands.cmd_plan(args, overrides)
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_parity_flags(args)
             if args.parity:
-                args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # for parity.json
+                args.command_line = ["trainmesh", *argv]  # for parity.json
                 return cmd_parity(args, overrides)
             return commands.cmd_check(args, overrides)
         return commands.cmd_run(args, overrides)
@@ -299,6 +308,24 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:  # before torchrun's agent took over the signal: nothing was started yet
+        log.warning("interrupted (Ctrl-C) before the workers started")
+        return EXIT_INTERRUPTED
+
+
+def _horovodrun(argv: list[str]) -> int:
+    """`trainmesh horovodrun ...`: horovodrun's flags (not argparse's: -np, and the command after them)."""
+    from trainmesh import horovodrun
+
+    try:
+        args = horovodrun.parse(argv)
+        if args is None:
+            print(horovodrun.USAGE)
+            return 0
+        return horovodrun.launch_horovodrun(args)
+    except UserError as e:
+        log.error("%s", e)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
         log.warning("interrupted (Ctrl-C) before the workers started")
         return EXIT_INTERRUPTED
 

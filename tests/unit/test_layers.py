@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"train"},
     {"job", "rundir", "launch", "reference"},
     {"plan"},  # predictions for a resolved job: `trainmesh plan` and the memory line of `trainmesh check`
-    {"worker", "commands"},
+    {"worker", "commands", "horovodrun"},  # horovodrun: `trainmesh horovodrun`, mapped onto launch
     {"bench", "parity"},  # commands built on `run` (commands.launch_into)
     {"cli", "__main__"},
 ]

@@ -211,6 +211,12 @@ def test_one_plain_process_is_world_size_one() -> None:
     assert r["join"] == 0 and r["stepped"] and r["after_shutdown"] is False
 
 
+def test_sync_batchnorm_is_trainmeshs() -> None:
+    from trainmesh.layers import SyncBatchNorm  # tested in tests/distributed/test_sync_batchnorm.py
+
+    assert hvd.SyncBatchNorm is SyncBatchNorm and hvd.SyncBatchNorm(3, eps=1e-3, momentum=0.2).eps == 1e-3
+
+
 def test_calls_before_init_raise_horovods_error() -> None:
     assert not hvd.is_initialized()
     for call in (hvd.rank, hvd.size, hvd.local_rank, hvd.cross_size, lambda: hvd.allreduce(torch.ones(1))):

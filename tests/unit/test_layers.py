@@ -18,8 +18,8 @@ SRC = Path(__file__).parents[2] / "src" / "trainmesh"
 LAYERS: list[set[str]] = [
     {"core"},  # environment, process group plumbing, logging, exit codes, files, batch plan: imports nothing
     {"config"},  # pure data: the option dataclasses and the names they may take
-    {"precision", "data", "faults", "layers", "metrics", "testing", "horovod"},
-    {"strategies"},
+    {"precision", "data", "faults", "layers", "metrics", "testing"},
+    {"strategies", "horovod"},  # horovod: Horovod's API, with layers' SyncBatchNorm as hvd.SyncBatchNorm
     {"runtime", "checkpoint"},
     {"recipes"},
     {"train"},

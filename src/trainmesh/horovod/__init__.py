@@ -70,6 +70,7 @@ from trainmesh.horovod.ops import (
 )
 from trainmesh.horovod.optimizer import DistributedOptimizer
 from trainmesh.horovod.rounds import RankJoinedError, join
+from trainmesh.layers import SyncBatchNorm  # Horovod's hvd.SyncBatchNorm takes the same arguments
 
 __all__ = [
     "Adasum",
@@ -83,6 +84,7 @@ __all__ = [
     "RankJoinedError",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

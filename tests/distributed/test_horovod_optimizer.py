@@ -69,14 +69,19 @@ def _average(g0: Grads, g1: Grads) -> Grads:
     return [(a + b).div(2) for a, b in zip(g0, g1, strict=True)]  # all_reduce(SUM), then / hvd.size()
 
 
-def _train(rank: int, micro: int = 1, heads: int = 1, clip: float = 0.0, **kwargs: Any) -> list[torch.Tensor]:
+def _train(
+    rank: int, micro: int = 1, heads: int = 1, clip: float = 0.0, log_loss: bool = False, **kwargs: Any
+) -> list[torch.Tensor]:
     model = _model(heads)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
     for step in range(STEPS):
         opt.zero_grad()
         for m in range(micro):
-            _loss(model, rank, step, m, heads if rank == 1 else 1).backward()  # rank 0 never uses the 2nd head
+            loss = _loss(model, rank, step, m, heads if rank == 1 else 1)  # rank 0 never uses the 2nd head
+            loss.backward()
+            if log_loss:  # a collective between backward and step: after the gradients' all-reduces everywhere
+                hvd.allreduce(loss.detach(), name="loss")
         if clip:
             opt.synchronize()
             nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -97,7 +102,8 @@ def _raised(call: Callable[[], Any]) -> str:
 
 def _checks(rank: int) -> dict[str, Any]:
     hvd.init()
-    r: dict[str, Any] = {"plain": _train(rank), "accumulated": _train(rank, micro=2, backward_passes_per_step=2)}
+    r: dict[str, Any] = {"plain": _train(rank, log_loss=True)}
+    r["accumulated"] = _train(rank, micro=2, log_loss=True, backward_passes_per_step=2)
     r["fp16"] = _train(rank, compression=hvd.Compression.fp16)
     r["clipped"] = _train(rank, clip=0.05)
     r["no_grad_on_rank0"] = _train(rank, heads=2)

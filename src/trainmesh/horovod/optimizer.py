@@ -17,7 +17,9 @@ backward completes gradients in a different order on different ranks (torch.dist
 coordinator, matches collectives by order). `synchronize()` starts what has not started (a parameter
 without a gradient on this rank takes part with zeros, and gets the others' result), waits for all and
 writes the averaged gradients into .grad; `step()` synchronizes, then steps. On one rank nothing is reduced,
-as under Horovod.
+as under Horovod. Where a parameter has a gradient on some ranks only, its all-reduce and the later ones start
+during backward there and in synchronize() elsewhere: another collective issued between backward and step()
+would then meet different ones on different ranks, so such a script issues its other collectives after step().
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ header), so it can issue the matching collective:
   allgather and broadcast do while a rank has joined.
 
 A header of zeros means every rank has joined: join() returns on all of them. The header costs one small
-all-reduce per collective call (one per optimizer step, not one per gradient); without any joined rank its
-result is never waited for except by OTHER rounds, which check it before they start.
+all-reduce per collective call (one per optimizer step, not one per gradient). Active ranks read its sum
+only in OTHER rounds, which wait for it before they start; the others issue their collective right behind it.
 """
 
 from __future__ import annotations

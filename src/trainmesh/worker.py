@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import store_client
-from trainmesh.core.env import DistEnv
+from trainmesh.core.env import DistEnv, launcher_rank
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging, get_logger
 from trainmesh.faults import FaultPlan
@@ -189,7 +189,7 @@ def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 @record  # torchrun reports the rank and traceback of a failed worker from this
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_worker_args(sys.argv[1:] if argv is None else argv)
-    configure_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
+    configure_logging(launcher_rank())  # torchrun's, MPI's or SLURM's: only rank 0 logs at INFO
     try:
         if args.resume:
             overrides.append("--checkpoint.resume=true")

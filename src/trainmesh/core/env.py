@@ -1,8 +1,20 @@
-"""Who am I in the job? `DistEnv` is read once, from torchrun, SLURM or a plain process.
+"""Who am I in the job? `DistEnv` is read once, from torchrun, an MPI launcher, SLURM or a plain process.
 
-Precedence: torchrun's variables (RANK/LOCAL_RANK/WORLD_SIZE, also set by `trainmesh run`) win; then
-SLURM's (`srun python -m trainmesh ...`: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node list,
-whose first host becomes the master); otherwise a single plain process (world size 1).
+Precedence, first match wins:
+
+1. torchrun's variables (RANK/LOCAL_RANK/WORLD_SIZE, also set by `trainmesh run`): a launcher started
+   inside another one (torchrun under mpirun or srun) numbers the processes that actually train.
+2. An MPI launcher's (`mpirun`/`mpiexec python -m trainmesh ...`): Open MPI's OMPI_COMM_WORLD_*,
+   MVAPICH2's MV2_COMM_WORLD_*, MPICH's and Intel MPI's (Hydra) PMI_RANK/PMI_SIZE with
+   MPI_LOCALRANKID/MPI_LOCALNRANKS. They come before SLURM's because they are set by the launcher that
+   started this very process, while SLURM_* variables are inherited: an `mpirun` inside an sbatch script
+   passes on the batch step's SLURM_PROCID (0 in every process) or that of the per-node daemon srun
+   started. Under `srun --mpi=pmi2` both sets are there and agree, so the order costs nothing.
+   PMIX_RANK alone is not read: PMIx puts the rank but not the size in the environment, and every
+   launcher that sets it also sets a complete set (Open MPI's mpirun its OMPI_ ones, srun its SLURM_ ones).
+3. SLURM's (`srun python -m trainmesh ...`: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node list,
+   whose first host becomes the master).
+4. Otherwise a single plain process (world size 1).
 """
 
 from __future__ import annotations
@@ -15,7 +27,54 @@ from dataclasses import dataclass
 
 import hostlist
 
+from trainmesh.core.errors import UserError
+
 DEFAULT_MASTER_PORT = 29500
+
+
+class LauncherEnvError(UserError, RuntimeError):
+    """The launcher's environment variables cannot describe this process; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class MPILauncher:
+    """Where one MPI implementation's launcher puts a process's coordinates."""
+
+    name: str
+    rank: str
+    size: str
+    local_rank: str
+    local_size: str
+    set_variable: str
+    """How the launcher passes a variable to every rank, for error messages: `{key}` and `{value}` filled in."""
+
+
+MPI_LAUNCHERS = (
+    MPILauncher(
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "mpirun -x {key}={value}",
+    ),
+    MPILauncher(
+        "MVAPICH2",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+        "mpirun_rsh ... {key}={value} python ... (or mpiexec -genv {key} {value})",
+    ),
+    MPILauncher(
+        "MPICH or Intel MPI (Hydra)",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "mpiexec -genv {key} {value}",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +87,7 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
-    source: str  # "torchrun", "slurm" or "single": where the values came from
+    source: str  # "torchrun", "mpi", "slurm" or "single": where the values came from
 
     @property
     def node_rank(self) -> int:
@@ -51,6 +110,9 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return _from_torchrun(env)
+        for launcher in MPI_LAUNCHERS:
+            if launcher.rank in env and launcher.size in env:
+                return _from_mpi(env, launcher)
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             return _from_slurm(env)
         return cls(0, 0, 1, 1, "127.0.0.1", _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT), "single")
@@ -71,22 +133,69 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
     raw = env.get(key)
     if raw is None:
         if default is None:
-            raise RuntimeError(f"environment variable {key} is required but not set")
+            raise LauncherEnvError(f"environment variable {key} is required but not set")
         return default
     try:
         return int(raw)
     except ValueError:
-        raise RuntimeError(f"environment variable {key}={raw!r} is not an integer") from None
+        raise LauncherEnvError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    _refuse_pod_ranks(env, rank, world)
     local_rank = _int(env, "LOCAL_RANK", 0)
     local_world = _int(env, "LOCAL_WORLD_SIZE", world if world == 1 else 1)
     if not 0 <= rank < world:
-        raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+        raise LauncherEnvError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     return DistEnv(rank, local_rank, world, local_world, addr, _int(env, "MASTER_PORT", 29500), "torchrun")
+
+
+def _refuse_pod_ranks(env: Mapping[str, str], rank: int, world: int) -> None:
+    """Kubeflow's training operator gives each pod of a PyTorchJob with a Master RANK = the pod's index and
+    WORLD_SIZE = pods x nprocPerNode, for torchrun to replace per process (it always sets LOCAL_RANK). A
+    process that sees them without LOCAL_RANK was started directly in the pod: with several processes per pod
+    it would wait forever for ranks that never start."""
+    per_pod = env.get("PET_NPROC_PER_NODE", "")
+    if "LOCAL_RANK" not in env and per_pod.isdigit() and int(per_pod) > 1:
+        raise LauncherEnvError(
+            f"RANK={rank} and WORLD_SIZE={world} number the pods of a Kubeflow PyTorchJob, not processes "
+            f"(PET_NPROC_PER_NODE={per_pod}, and no LOCAL_RANK: no torchrun started this process). Fix: make the "
+            f"container's command `trainmesh run <recipe> ...`, which starts {per_pod} processes per pod (see "
+            "`trainmesh k8s`), or set nprocPerNode: 1 to run one process per pod."
+        )
+
+
+def _from_mpi(env: Mapping[str, str], mpi: MPILauncher) -> DistEnv:
+    """A process started by `mpirun`/`mpiexec`: the launcher numbers the processes; the master address must be
+    passed to every rank unless all of them run on this node."""
+    rank, world = _int(env, mpi.rank), _int(env, mpi.size)
+    if not 0 <= rank < world:
+        raise LauncherEnvError(f"{mpi.rank}={rank} is outside 0..{mpi.size}-1 ({mpi.size}={world})")
+    if mpi.local_rank in env and mpi.local_size in env:
+        local_rank, local_world = _int(env, mpi.local_rank), _int(env, mpi.local_size)
+    elif "SLURM_LOCALID" in env:  # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but not Hydra's local variables
+        local_rank, local_world = _int(env, "SLURM_LOCALID"), _slurm_tasks_on_this_node(env, world)
+    else:
+        raise LauncherEnvError(
+            f"{mpi.name}: {mpi.rank} and {mpi.size} are set but not {mpi.local_rank}/{mpi.local_size} (the rank "
+            f"and the number of ranks on this node), which pick this process's GPU. Fix: start the job with "
+            f"{mpi.name}'s own mpirun/mpiexec, or with torchrun or `trainmesh run`."
+        )
+    port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
+    addr = env.get("MASTER_ADDR", "")
+    if not addr:
+        if local_world != world:  # ranks on other nodes cannot reach this one's loopback
+            set_addr = mpi.set_variable.format(key="MASTER_ADDR", value="<host of rank 0>")
+            set_port = mpi.set_variable.format(key="MASTER_PORT", value=str(port))
+            raise LauncherEnvError(
+                f"{mpi.name} started {world} ranks, {local_world} of them on this node ({mpi.size}={world}, "
+                f"{mpi.local_size}={local_world}), and MASTER_ADDR is not set, so the ranks cannot find rank 0. "
+                f"Fix: pass the address of rank 0's node to every rank: {set_addr} and {set_port}."
+            )
+        addr = "127.0.0.1"  # every rank is on this node
+    return DistEnv(rank, local_rank, world, local_world, addr, port, "mpi")
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:
@@ -101,12 +210,24 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
 
 
 def _slurm_tasks_on_this_node(env: Mapping[str, str], world: int) -> int:
-    # SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; SLURM_TASKS_PER_NODE ("2(x3),1") always.
+    # SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; SLURM_TASKS_PER_NODE ("2(x3),1") always, one
+    # count per node of the step in SLURM_NODEID's order.
     if "SLURM_NTASKS_PER_NODE" in env:
         return _int(env, "SLURM_NTASKS_PER_NODE")
-    tasks = env.get("SLURM_TASKS_PER_NODE", "")
-    match = re.match(r"(\d+)", tasks)
-    return int(match.group(1)) if match else world
+    counts = expand_slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
+    node = _int(env, "SLURM_NODEID", 0)
+    return counts[node] if node < len(counts) else counts[0] if counts else world
+
+
+def expand_slurm_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed tasks-per-node list, one count per node: '2(x3),1' -> [2, 2, 2, 1]; '' -> []."""
+    counts: list[int] = []
+    for item in filter(None, value.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise LauncherEnvError(f"SLURM_TASKS_PER_NODE={value!r} is not SLURM's form (e.g. '2(x3),1')")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
@@ -117,6 +238,15 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
         return list(hostlist.expand_hostlist(nodelist, sort=False))
     except hostlist.BadHostlist as e:
         raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r} is not a SLURM host list: {e}") from None
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank for tagging log lines before `DistEnv` is read (0 when the environment is
+    inconsistent: reading `DistEnv` then says what is wrong)."""
+    try:
+        return DistEnv.from_environ(environ).rank
+    except (LauncherEnvError, ValueError):
+        return 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,4 @@
-"""The `trainmesh` command: run, check, bench, plan, env, ckpt.
+"""The `trainmesh` command: run, check, bench, plan, env, slurm, k8s, ckpt.
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
@@ -6,7 +6,9 @@ trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 
 trainmesh check gpt --config configs/gpt-tiny.toml --nproc-per-node 2 --parity   # 2 processes train like 1?
 trainmesh bench gpt --config configs/gpt-tiny.toml --nprocs 1,2 --mode both   # weak and strong scaling
 trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4   # every layout: memory, step time
-trainmesh env
+trainmesh env [--full]                              # --full adds torch.utils.collect_env's report
+trainmesh slurm gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --time 24:00:00 > gpt.sbatch
+trainmesh k8s gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --image REGISTRY/trainmesh:TAG
 trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
 trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GPT-2 folder (from_pretrained loads it)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -35,23 +38,35 @@ keeps the two equal."""
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """torchrun's launch flags, under both spellings torchrun accepts (--nproc-per-node, --nproc_per_node)."""
+    """torchrun's launch flags, under both spellings torchrun accepts (--nproc-per-node, --nproc_per_node).
+
+    As torchrun's, a flag left out takes its value from PET_<FLAG> (PET_NNODES, PET_NODE_RANK, ...) when set:
+    Kubeflow's operators describe the job to a pod's torchrun that way, so `trainmesh run` needs no flags there.
+    """
+    g = parser.add_argument_group(
+        "launch (torchrun's flags; --flag_name spellings work too; a flag left out is read from PET_<FLAG> as "
+        "torchrun does, e.g. PET_NNODES)"
+    )
+
+    def flag(name: str, default: Any, torchrun: bool = True, **kwargs: Any) -> None:
+        dest = name.replace("-", "_")
+        if not defaults:
+            default = argparse.SUPPRESS
+        elif torchrun:
+            default = os.environ.get(f"PET_{dest.upper()}", default)  # argparse applies type= to it
+        g.add_argument(f"--{name}", *([f"--{dest}"] if dest != name else []), default=default, **kwargs)
+
+    flag("nproc-per-node", "auto", help="processes per node: N or auto (all GPUs, else 2)")
+    flag("nnodes", "1", help="nodes: N, or MIN:MAX for elastic membership")
+    flag("node-rank", 0, type=int, help="this node's rank (static rendezvous)")
+    flag("master-addr", None, help="address of node 0 (static rendezvous)")
+    flag("master-port", None, type=int, help="port on node 0 (default: a free one)")
+    flag("rdzv-endpoint", None, help="HOST:PORT of the c10d rendezvous (elastic)")
+    flag("rdzv-id", None, help="job id shared by all nodes (c10d rendezvous)")
+    flag("max-restarts", 0, type=int, help="restarts of the worker group on failure")
+    flag("join-timeout", 300, torchrun=False, type=int, help="seconds the nodes may take to meet (default 300)")
+    flag("rdzv-conf", None, help="more c10d rendezvous settings: KEY=VALUE[,...] (torchrun's)")
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
-    g = parser.add_argument_group("launch (torchrun's flags; --flag_name spellings work too)")
-
-    def flag(name: str, **kwargs: Any) -> None:
-        g.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kwargs)
-
-    flag("nproc-per-node", default=d("auto"), help="processes per node: N or auto (all GPUs, else 2)")
-    g.add_argument("--nnodes", default=d("1"), help="nodes: N, or MIN:MAX for elastic membership")
-    flag("node-rank", type=int, default=d(0), help="this node's rank (static rendezvous)")
-    flag("master-addr", default=d(None), help="address of node 0 (static rendezvous)")
-    flag("master-port", type=int, default=d(None), help="port on node 0 (default: a free one)")
-    flag("rdzv-endpoint", default=d(None), help="HOST:PORT of the c10d rendezvous (elastic)")
-    flag("rdzv-id", default=d(None), help="job id shared by all nodes (c10d rendezvous)")
-    flag("max-restarts", type=int, default=d(0), help="restarts of the worker group on failure")
-    flag("join-timeout", type=int, default=d(300), help="seconds the nodes may take to meet (default 300)")
-    flag("rdzv-conf", default=d(None), help="more c10d rendezvous settings: KEY=VALUE[,...] (torchrun's)")
     g.add_argument(
         "--standalone",
         action="store_true",
@@ -67,6 +82,13 @@ def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True, re
     g.add_argument("--run-id", default=d(None), help="run directory name under run.out_dir (= run.id)")
     if resume:
         g.add_argument("--resume", action="store_true", default=d(False), help="continue from the newest checkpoint")
+        g.add_argument(
+            "--auto-resume",
+            action="store_true",
+            default=d(False),
+            help="continue the run named by --run-id from its newest checkpoint when it has one, else start it: for "
+            "a scheduler that reruns the same command (SLURM requeue, Kubernetes restarts)",
+        )
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -151,6 +173,53 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> N
     g.add_argument("--calibration", default=d(None), help="the calibration file (default ~/.cache/trainmesh/...)")
 
 
+def _add_scheduler_flags(parser: argparse.ArgumentParser, command: str, defaults: bool = True) -> None:
+    """`trainmesh slurm`'s or `trainmesh k8s`'s own flags; checked by trainmesh.schedulers (messages that say how
+    to fix)."""
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group(command)
+    g.add_argument("--nodes", type=int, default=d(1), help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=d(None), help="GPUs on each node, one process each (required)")
+    if command == "slurm":
+        g.add_argument("--time", default=d(None), help="time limit, e.g. 24:00:00 (default: the partition's)")
+        g.add_argument("--partition", default=d(None), help="SLURM partition")
+        g.add_argument("--account", default=d(None), help="SLURM account to charge")
+        g.add_argument("--job-name", default=d(None), help="SLURM job name (default: the recipe's)")
+        g.add_argument(
+            "--signal-seconds",
+            type=int,
+            default=d(120),
+            help="SIGTERM this many seconds before the time limit: the job saves, stops and requeues (default 120)",
+        )
+        g.add_argument(
+            "--one-task-per-gpu",
+            action="store_true",
+            default=d(False),
+            help="srun one task per GPU running the per-rank worker, instead of one `trainmesh run` per node",
+        )
+        g.add_argument("--max-restarts", type=int, default=d(0), help="torchrun restarts on each node (default 0)")
+        g.add_argument("--python", default=d(None), help="the Python with trainmesh on the nodes (default: this one)")
+    else:
+        g.add_argument("--image", default=d(None), help="container image with trainmesh installed (required)")
+        g.add_argument("--kind", default=d("pytorchjob"), help="pytorchjob (Kubeflow, default) | jobset")
+        g.add_argument("--min-nodes", type=int, default=d(None), help="elastic: fewest nodes to train on (pytorchjob)")
+        g.add_argument("--max-nodes", type=int, default=d(None), help="elastic: most nodes to train on (pytorchjob)")
+        g.add_argument(
+            "--max-restarts",
+            type=int,
+            default=d(3),
+            help="pytorchjob: torchrun restarts of a pod's processes; jobset: restarts of all pods (default 3)",
+        )
+        g.add_argument("--name", default=d(None), help="the job's name, also its run id (default: recipe-config)")
+        g.add_argument("--namespace", default=d(None), help="Kubernetes namespace (default: kubectl's)")
+        g.add_argument(
+            "--pvc",
+            default=d(None),
+            help="a ReadWriteMany PersistentVolumeClaim for the run folders (mounted at /runs = run.out_dir): "
+            "checkpoints every pod shares, kept across restarts",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -192,12 +261,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_flags(bench, resume=False)
     _add_bench_flags(bench)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    env = sub.add_parser("env", help="versions, devices, backends and distributed environment variables")
+    env.add_argument(
+        "--full",
+        action="store_true",
+        help="add PyTorch's own report (torch.utils.collect_env: OS, compilers, CUDA, cuDNN, GPU driver, packages)",
+    )
     sub.add_parser(  # parsed by trainmesh.horovodrun (main hands it the arguments): horovodrun's own flags
         "horovodrun",
         add_help=False,
         help="run a Horovod script: horovodrun -np N [-H ...] mapped onto run's launch (trainmesh horovodrun --help)",
     )
+    for command, what in (
+        ("slurm", "an sbatch script that trains a config and requeues itself at its time limit"),
+        ("k8s", "Kubernetes manifests (Kubeflow PyTorchJob or JobSet) that train a config"),
+    ):
+        scheduler = sub.add_parser(
+            command,
+            help=f"print {what}",
+            description=f"Check a recipe's config for the job's world size(s), as `trainmesh check` does, and print "
+            f"{what}; see docs/clusters.md. Dotted config overrides follow, optionally after --.",
+        )
+        scheduler.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
+        _add_recipe_flags(scheduler, resume=False)
+        _add_scheduler_flags(scheduler, command)
+        scheduler.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     plan = sub.add_parser(
         "plan",
         help="predict memory per rank and step time for every layout of a job on a cluster, fastest first",
@@ -244,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Flags may also follow the recipe name; the leftovers must be --section.key=value overrides."""
     tail = argparse.ArgumentParser(prog=f"{parser.prog} {args.command}", add_help=False)
-    _add_recipe_flags(tail, defaults=False, resume=args.command not in ("bench", "plan"))
+    _add_recipe_flags(tail, defaults=False, resume=args.command not in ("bench", "plan", "slurm", "k8s"))
     if args.command == "bench":
         _add_bench_flags(tail, defaults=False)
     if args.command == "check":
         _add_parity_flags(tail, defaults=False)
     if args.command == "plan":
         _add_plan_flags(tail, defaults=False)
+    elif args.command in ("slurm", "k8s"):
+        _add_scheduler_flags(tail, args.command, defaults=False)
     else:
         _add_launch_flags(tail, defaults=False)
     tokens = list(args.rest)
@@ -259,7 +349,7 @@ def _split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     unknown = [t for t in rest if t not in overrides]
     if unknown:
         parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
-    if args.run_id:
+    if args.run_id and args.command not in ("slurm", "k8s"):  # theirs is the job's, e.g. gpt-$SLURM_JOB_ID
         overrides.append(f"--run.id={args.run_id}")
     if getattr(args, "resume", False):
         overrides.append("--checkpoint.resume=true")
@@ -277,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         from trainmesh import commands  # torch and everything else, now that the command line is understood
 
         if args.command == "env":
-            from trainmesh.core.report import environment_report
+            from trainmesh.core.report import environment_report, pytorch_report
 
             print(environment_report())
+            if args.full:
+                print("\n" + pytorch_report())
             return 0
         if args.command == "ckpt":
             return commands.cmd_ckpt(args)
@@ -295,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args, overrides)
         if args.command == "plan":
             return commands.cmd_plan(args, overrides)
+        if args.command in ("slurm", "k8s"):
+            from trainmesh.schedulers.command import k8s_manifests, slurm_script
+
+            args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # recorded in the file
+            print(slurm_script(args, overrides) if args.command == "slurm" else k8s_manifests(args, overrides), end="")
+            return 0
         if args.command == "check":
             from trainmesh.parity.command import check_parity_flags, cmd_parity
 

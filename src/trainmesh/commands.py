@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from trainmesh.recipes import get_recipe
 from trainmesh.rundir import (
     CONFIG_FILE,
     RunLock,
+    check_auto_resume,
     claim_new_run_dir,
     create_run_dir,
     existing_run_dir,
@@ -30,7 +32,14 @@ log = logging.getLogger("trainmesh")
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
-    """The launch flags of `run`, `check` and `bench` (cli._add_launch_flags) as LaunchOptions."""
+    """The launch flags of `run`, `check` and `bench` (cli._add_launch_flags, which also reads torchrun's PET_
+    variables) as LaunchOptions."""
+    backend = os.environ.get("PET_RDZV_BACKEND", "c10d")
+    if backend not in ("c10d", "static"):  # set by Kubeflow's training operator from elasticPolicy.rdzvBackend
+        raise LaunchError(
+            f"PET_RDZV_BACKEND={backend!r}: trainmesh meets through torch's c10d rendezvous (with --rdzv-endpoint) "
+            "or a static one (--master-addr). Fix: elasticPolicy.rdzvBackend: c10d in the PyTorchJob."
+        )
     return LaunchOptions(
         nproc_per_node=str(args.nproc_per_node),
         nnodes=str(args.nnodes),
@@ -77,6 +86,7 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
     if suffix and not run_id:
         run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
+    auto = check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
     if config.checkpoint.resume:
         run_dir = existing_run_dir(out_dir, run_id)  # a misspelled --run-id is refused
     elif run_id:
@@ -92,7 +102,8 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         log.info(
             "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
         )
-    job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic)
+    auto = auto and bool(list_checkpoints(run_dir))  # --auto-resume: resume once there is something to resume
+    job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic or auto)
     return launch_into(opts, jobs, job, run_dir, suffix or new_job_id())
 
 

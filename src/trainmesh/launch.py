@@ -121,9 +121,18 @@ class LaunchOptions:
             raise LaunchError(f"--rdzv-conf={self.rdzv_conf!r} needs --rdzv-endpoint HOST:PORT (c10d rendezvous)")
         elif self.multi_node:
             if not self.master_addr or not self.master_port:
+                # A PyTorchJob with a Master replica: the operator sets MASTER_ADDR/MASTER_PORT, not torchrun's
+                # PET_MASTER_ADDR/PET_MASTER_PORT (training-operator's envvar.go), so they are passed by hand.
+                kubeflow = "PET_NNODES" in os.environ and "MASTER_ADDR" in os.environ
                 raise LaunchError(
                     f"--nnodes={self.nnodes} needs --master-addr and --master-port (static rendezvous: every node "
                     "passes the same address of node 0 and its own --node-rank) or --rdzv-endpoint HOST:PORT."
+                    + (
+                        " In a Kubeflow PyTorchJob with a Master: add --master-addr $(MASTER_ADDR) --master-port "
+                        "$(MASTER_PORT) to the container's command."
+                        if kubeflow
+                        else ""
+                    )
                 )
             if ":" in self.nnodes:
                 raise LaunchError(

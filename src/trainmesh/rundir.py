@@ -79,6 +79,22 @@ def existing_run_dir(out_dir: Path, name: str) -> Path:
     )
 
 
+def check_auto_resume(auto_resume: bool, resume: bool, run_id: str) -> bool:
+    """--auto-resume continues a run by its name (its folder created when missing): it needs the name, and
+    --resume (which refuses a missing folder) contradicts it. Returns `auto_resume`."""
+    if auto_resume and resume:
+        raise RunFolderError(
+            "--resume and --auto-resume both given: --resume refuses a run folder that does not exist, --auto-resume "
+            "creates it. Fix: keep one (--auto-resume for a command a scheduler reruns)."
+        )
+    if auto_resume and not run_id:
+        raise RunFolderError(
+            "--auto-resume needs the run's name, the same on every attempt: add --run-id NAME (python -m trainmesh: "
+            "--run.id=NAME), e.g. gpt-$SLURM_JOB_ID."
+        )
+    return auto_resume
+
+
 def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:
     """A new folder `<recipe>-<date>-<time>` (then `-2`, `-3`, ...: launches within one second never
     share one), created here, so that no other launch can take the same name."""

@@ -7,6 +7,7 @@ plain `torchrun -m trainmesh ...`, SLURM's `srun python -m trainmesh ...`, and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -17,6 +18,7 @@ from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import store_client
@@ -29,6 +31,7 @@ from trainmesh.recipes import Recipe
 from trainmesh.rundir import (
     RunFolderError,
     RunLock,
+    check_auto_resume,
     claim_new_run_dir,
     create_run_dir,
     existing_run_dir,
@@ -177,6 +180,11 @@ def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--run-dir", help="run directory (default: <run.out_dir>/<run.id>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue the run named by --run.id from its newest checkpoint when it has one, else start it",
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)  # the launch that holds the run folder's lock
     args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if a != "--"]
@@ -194,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             overrides.append("--checkpoint.resume=true")
         config = load_config(args.config, overrides, args.recipe)
-        result = run_worker(config, Path(args.run_dir) if args.run_dir else None, launch_id=args.job)
+        run_dir = Path(args.run_dir) if args.run_dir else None
+        if args.auto_resume:
+            check_auto_resume(True, args.resume, config.run.id or (run_dir.name if run_dir else ""))
+            run_dir = run_dir or Path(config.run.out_dir) / config.run.id  # named: created when missing
+            if list_checkpoints(run_dir):  # else a new run: nothing to resume yet
+                config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+        result = run_worker(config, run_dir, launch_id=args.job)
     except UserError as e:
         log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it
         return EXIT_USER_ERROR

@@ -1,9 +1,12 @@
-"""The command line's parser: instant (no torch import), --version, and the recipe names it lists."""
+"""The command line's parser: instant (no torch import), --version, the recipe names it lists, launch flags from
+torchrun's PET_ variables, --auto-resume's errors, and `env --full`."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +28,65 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_parser_lists_every_built_in_recipe() -> None:
     assert set(RECIPE_NAMES) == set(RECIPES)
+
+
+GPT2 = str(Path(__file__).resolve().parents[2] / "configs" / "gpt2-124m.toml")
+
+
+def test_launch_flags_left_out_come_from_torchruns_pet_variables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As torchrun's flags do: what Kubeflow's operators set for a pod (PET_NNODES, PET_NPROC_PER_NODE, ...)."""
+    for key, value in {"NNODES": "2", "NPROC_PER_NODE": "4", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(f"PET_{key}", value)
+    monkeypatch.setenv("PET_MASTER_PORT", "29500")
+    assert main(["check", "gpt", "--config", GPT2]) == 0
+    assert "world size 8: OK" in capsys.readouterr().out
+    assert main(["check", "gpt", "--config", GPT2, "--nproc-per-node", "1"]) == 0  # a flag given wins
+    assert "world size 2: OK" in capsys.readouterr().out
+    monkeypatch.setenv("PET_NNODES", "1:2")  # an elastic PyTorchJob
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "127.0.0.1:29400")
+    assert main(["check", "gpt", "--config", GPT2]) == 0
+    out = capsys.readouterr().out
+    assert "world size 4: OK" in out and "world size 8: OK" in out
+
+
+def test_a_rendezvous_backend_trainmesh_does_not_use_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    assert main(["check", "gpt", "--config", GPT2, "--nproc-per-node", "1"]) == 2
+    assert "PET_RDZV_BACKEND='etcd'" in capsys.readouterr().err
+
+
+def test_kubeflow_master_address_hint(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A PyTorchJob with a Master sets MASTER_ADDR, not PET_MASTER_ADDR: the error says what to add."""
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("MASTER_ADDR", "job-master-0")
+    assert main(["check", "gpt", "--config", GPT2, "--nproc-per-node", "1"]) == 2
+    assert "add --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--auto-resume"], "--auto-resume needs the run's name"),
+        (["--auto-resume", "--resume", "--run-id", "x"], "--resume and --auto-resume both given"),
+    ],
+)
+def test_auto_resume_needs_a_name_and_no_resume(
+    flags: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "gpt", "--config", GPT2, "--nproc-per-node", "1", *flags]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_env_full_adds_pytorchs_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """collect_env runs its probes (nvidia-smi, pip, ...) as subprocesses: quick without a GPU or a network."""
+    started = time.monotonic()
+    assert main(["env", "--full"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("trainmesh environment") < out.index("PyTorch's report (torch.utils.collect_env)")
+    assert "PyTorch version:" in out and "\nOS:" in out and "Is CUDA available:" in out
+    assert time.monotonic() - started < 60

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"recipes"},
     {"train"},
     {"job", "rundir", "launch", "reference"},
-    {"plan"},  # predictions for a resolved job: `trainmesh plan` and the memory line of `trainmesh check`
+    {"plan", "schedulers"},  # predictions for a resolved job (`trainmesh plan`, check's memory line); job files
     {"worker", "commands", "horovodrun"},  # horovodrun: `trainmesh horovodrun`, mapped onto launch
     {"bench", "parity"},  # commands built on `run` (commands.launch_into)
     {"cli", "__main__"},

@@ -69,3 +69,13 @@ def environment_report() -> str:
     found = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))
     lines += [f"  {k}={v}" for k, v in found] or ["  (none set: a plain single process)"]
     return "\n".join(lines)
+
+
+def pytorch_report() -> str:
+    """PyTorch's own environment report (`python -m torch.utils.collect_env`): OS, compilers, CUDA and cuDNN,
+    the GPU driver, CPU, and the relevant pip and conda packages, for a bug report to trainmesh or PyTorch. Its
+    probes (nvidia-smi, pip list, ...) are subprocesses that return at once where the tool is missing, and need
+    no network."""
+    from torch.utils.collect_env import get_pretty_env_info
+
+    return "PyTorch's report (torch.utils.collect_env)\n\n" + get_pretty_env_info()

@@ -1,0 +1,93 @@
+"""`trainmesh slurm` and `trainmesh k8s`: check the config for the job's world sizes, then print its job file.
+
+    trainmesh slurm gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --time 24:00:00 > gpt.sbatch
+    trainmesh k8s gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --image REGISTRY/trainmesh:TAG
+
+Nothing is printed when something needs fixing: the error names the flag (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from trainmesh.config import dump_toml
+from trainmesh.config.loader import config_to_dict
+from trainmesh.schedulers.common import SchedulerError, check_config
+from trainmesh.schedulers.kubernetes import RUNS_DIR, K8sJob, render_manifests
+from trainmesh.schedulers.slurm import SlurmJob, render_sbatch
+
+
+def slurm_script(args: argparse.Namespace, overrides: list[str]) -> str:
+    """The sbatch script for `trainmesh slurm` (checked before anything is returned)."""
+    _require(args.gpus_per_node, "--gpus-per-node N", "the GPUs on each node, one process each")
+    job = SlurmJob(
+        recipe=args.target,
+        config=str(Path(args.config).resolve()) if args.config else "",
+        overrides=tuple(overrides),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        python=args.python or sys.executable,
+        workdir=str(Path.cwd()),
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=args.job_name,
+        run_id=args.run_id,
+        signal_seconds=args.signal_seconds,
+        one_task_per_gpu=args.one_task_per_gpu,
+        max_restarts=args.max_restarts,
+    )
+    job.check()  # the flags first: they are cheaper to check than the config
+    run_id = [f"--run.id={args.run_id}"] if args.run_id else []  # checked as run.id is
+    _, checked = check_config(args.config, [*overrides, *run_id], args.target, [job.nodes * job.gpus_per_node], True)
+    return render_sbatch(job, checked, _command_line(args))
+
+
+def k8s_manifests(args: argparse.Namespace, overrides: list[str]) -> str:
+    """The YAML stream for `trainmesh k8s` (checked before anything is returned)."""
+    _require(args.gpus_per_node, "--gpus-per-node N", "the GPUs on each node (pod), one process each")
+    _require(args.image, "--image IMAGE", "a container image with trainmesh installed")
+    if args.run_id:
+        raise SchedulerError(
+            f"--run-id={args.run_id!r}: a Kubernetes job's run is named by --name, as its pods and services are. "
+            "Fix: --name NAME instead."
+        )
+    stem = Path(args.config).stem if args.config else args.target
+    name = args.name or re.sub(r"[^a-z0-9-]+", "-", f"{args.target}-{stem}".lower()).strip("-")[:40].strip("-")
+    job = K8sJob(
+        recipe=args.target,
+        config_toml="",
+        name=name,
+        image=args.image or "",
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        kind=args.kind,
+        min_nodes=args.min_nodes,
+        max_nodes=args.max_nodes,
+        max_restarts=args.max_restarts,
+        namespace=args.namespace,
+        pvc=args.pvc,
+    )
+    job.check()
+    if args.pvc:
+        overrides = [*overrides, f"--run.out_dir={RUNS_DIR}"]
+    low, high = job.node_range
+    worlds = [n * job.gpus_per_node for n in range(low, high + 1)]
+    # data.source is where the pods see it (in the image or a volume), not necessarily here: not checked.
+    config, checked = check_config(args.config, overrides, args.target, worlds, data_here=False)
+    job = replace(job, config_toml=dump_toml(config_to_dict(config)))
+    return render_manifests(job, checked, _command_line(args))
+
+
+def _require(value: object, flag: str, what: str) -> None:
+    if value is None:
+        raise SchedulerError(f"{flag} is required: {what}.")
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    return shlex.join(getattr(args, "command_line", ["trainmesh", args.command]))

@@ -1,0 +1,41 @@
+"""What `trainmesh slurm` and `trainmesh k8s` share: their errors and the check of the config they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainmesh.config import Config, ConfigError
+from trainmesh.core.errors import UserError
+from trainmesh.job import load_config, resolve
+from trainmesh.recipes import get_recipe
+
+
+class SchedulerError(UserError, ValueError):
+    """A flag of `trainmesh slurm` or `trainmesh k8s` that cannot work; the message names it and the fix."""
+
+
+def positive(value: int, flag: str) -> int:
+    if value < 1:
+        raise SchedulerError(f"{flag}={value}: must be at least 1")
+    return value
+
+
+def check_config(
+    config_path: str | None, overrides: list[str], recipe: str, world_sizes: list[int], data_here: bool
+) -> tuple[Config, list[str]]:
+    """The config (complete) and one line per world size saying how it runs, after every check `trainmesh check`
+    makes. `data_here`: data.source is on this machine too (a shared file system), so it is checked as well."""
+    if config_path is not None and not Path(config_path).is_file():
+        raise SchedulerError(f"--config={config_path!r} does not exist. Fix: the path of a TOML config (configs/).")
+    config = load_config(config_path, overrides, recipe)
+    if data_here:
+        try:
+            get_recipe(config.run.recipe).check_data(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    lines = []
+    for world in world_sizes:
+        job = resolve(config, world, world_sizes)
+        strategy, dims = job.layout
+        lines.append(f"world size {world}: {strategy} on {dims.describe()}; {job.batch.describe()}")
+    return config, lines

@@ -1,0 +1,144 @@
+"""`trainmesh slurm`: the sbatch script's lines, its bash syntax, and its requeue logic driven by bash with a fake
+`srun` and `scontrol` on PATH (shell scripts that record their arguments); flag errors before anything is printed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainmesh.cli import main
+from trainmesh.schedulers.slurm import time_limit_seconds
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+NANO = ["--", "--model.size=nano", "--model.block_size=32", "--data.max_corpus_mb=0.25"]
+
+
+def _generate(capsys: pytest.CaptureFixture[str], tmp_path: Path, *flags: str) -> str:
+    (tmp_path / "cache").mkdir(exist_ok=True)
+    code = main(["slurm", "gpt", "--nodes", "2", "--gpus-per-node", "4", *flags, *NANO, f"--data.cache_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def test_the_script_asks_for_the_signal_requeue_and_the_resumable_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = _generate(capsys, tmp_path, "--time", "2-00:00:00", "--partition", "gpu", "--signal-seconds", "300")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",  # one `trainmesh run` per node
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --signal=TERM@300",  # no B: the tasks get SIGTERM, not the batch shell
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        'RUN_ID="gpt-${SLURM_JOB_ID}"  # the same on every requeue: SLURM keeps the job id',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+    ):
+        assert line in lines, line
+    assert "# checked: world size 8: ddp on dp_replicate 8" in script
+    assert '--node-rank "$SLURM_NODEID"' in script and "--nnodes 2 --nproc-per-node 4" in script
+    assert '--run-id "$RUN_ID" --auto-resume' in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+def test_one_task_per_gpu_runs_the_worker_under_srun(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = _generate(capsys, tmp_path, "--one-task-per-gpu", "--run-id", "long-run")
+    assert "#SBATCH --ntasks-per-node=4" in script
+    assert "RUN_ID=long-run" in script  # a fixed name continues across submissions too
+    assert 'srun "$PYTHON" -m trainmesh gpt --run.id="$RUN_ID" --auto-resume' in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_LOG"
+if [ "${FAKE_SCANCEL:-0}" = 1 ]; then kill -TERM "$PPID"; sleep 0.2; fi  # scancel signals the batch shell too
+exit "$FAKE_SRUN_EXIT"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> "$FAKE_LOG"
+if [ "$1" = show ]; then echo node-a; echo node-b; fi
+"""
+
+
+@pytest.mark.parametrize(
+    ("srun_exit", "scancel", "requeued"),
+    [(75, False, True), (0, False, False), (1, False, False), (143, False, False), (75, True, False)],
+    ids=["preempted", "done", "failed", "killed", "scancelled"],
+)
+def test_the_script_requeues_on_exit_75_only(
+    srun_exit: int, scancel: bool, requeued: bool, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "job.sbatch"
+    script.write_text(_generate(capsys, tmp_path, "--max-restarts", "2"))
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {
+        **os.environ,
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "FAKE_SRUN_EXIT": str(srun_exit),
+        "FAKE_SCANCEL": "1" if scancel else "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+    }
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == srun_exit, result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == "scontrol show hostnames node-[a-b]"
+    srun = calls[1]  # the rendezvous at the first host, on the port derived from the job id
+    assert srun.startswith("srun --ntasks-per-node=1 bash -c ") and "--master-addr node-a --master-port 24242" in srun
+    assert "--max-restarts 2" in srun and "--run-id gpt-4242 --auto-resume" in srun
+    assert ("scontrol requeue 4242" in calls) == requeued, calls
+    assert ("requeueing job 4242" in result.stdout) == requeued
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus-per-node", "0"], "--gpus-per-node=0: must be at least 1"),
+        (["--time", "soon"], "--time='soon' is not a SLURM time limit"),
+        (["--time", "1", "--signal-seconds", "120"], "--signal-seconds=120 is not shorter than --time=1 (60 s)"),
+        (["--signal-seconds", "70000"], "--signal-seconds=70000: must be 1..65535"),
+        (["--one-task-per-gpu", "--max-restarts", "1"], "--max-restarts restarts the processes of a node"),
+        (["--partition", "a b"], "--partition='a b': expected a SLURM name"),
+        (["--run-id", "../x"], "run.id='../x'"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_printed(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["slurm", "gpt", "--nodes", "2", "--gpus-per-node", "4", *flags])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert message in captured.err
+
+
+def test_gpus_per_node_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["slurm", "gpt", "--nodes", "2"]) == 2
+    assert "--gpus-per-node N is required" in capsys.readouterr().err
+
+
+def test_time_limit_forms() -> None:
+    assert [time_limit_seconds(t) for t in ("90", "5:30", "24:00:00", "2-12", "1-00:30", "1-00:00:10")] == [
+        5400,
+        330,
+        86400,
+        216000,
+        88200,
+        86410,
+    ]
+    assert time_limit_seconds("UNLIMITED") is None

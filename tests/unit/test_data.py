@@ -41,8 +41,7 @@ def test_text_corpus_is_cached_and_split(tmp_path: Path) -> None:
     source = tmp_path / "book.txt"
     source.write_text("abcdefghij" * 20_000)  # 200 kB -> several 64 KiB chunks
     corpus = text_corpus([source], ByteTokenizer(), 0.25, tmp_path / "cache")
-    train = np.fromfile(corpus.train[0], dtype=np.uint16)
-    val = np.fromfile(corpus.val[0], dtype=np.uint16)
+    train, val = load_tokens(corpus.train[0]), load_tokens(corpus.val[0])  # llm.c's header, then the tokens
     assert len(train) + len(val) == 200_000 and len(val) > 0 and corpus.vocab_size == 256
     again = text_corpus([source], ByteTokenizer(), 0.25, tmp_path / "cache")
     assert again == corpus  # served from the cache
@@ -118,3 +117,33 @@ def test_loader_worker_processes_feed_the_same_batches(tmp_path: Path) -> None:
         run_worker(config, tmp_path / "runs" / f"w{workers}")
     losses = [[r["loss"] for r in train_records(tmp_path / "runs" / f"w{w}")] for w in (0, 2)]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
+
+
+def _llmc_shard(path: Path, tokens: list[int], version: int = 1, count: int | None = None) -> None:
+    """A shard as llm.c's write_datafile writes it: 256 int32 (magic, version, count, zeros), uint16 tokens."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240520, version, len(tokens) if count is None else count
+    path.write_bytes(header.tobytes() + np.array(tokens, dtype="<u2").tobytes())
+
+
+def test_llmc_shards_are_read_after_their_header_and_raw_shards_still_are(tmp_path: Path) -> None:
+    _llmc_shard(tmp_path / "fineweb_train_000001.bin", list(range(100, 125)))
+    np.arange(0, 9, dtype=np.uint16).tofile(tmp_path / "val.bin")  # nanoGPT's raw uint16
+    corpus = shard_corpus(tmp_path)
+    assert load_tokens(corpus.train[0]).tolist() == list(range(100, 125))
+    assert load_tokens(corpus.val[0]).tolist() == list(range(9))
+    x, y = TokenWindows(corpus.train, block_size=4)[1]
+    assert torch.equal(x, torch.tensor([104, 105, 106, 107])) and torch.equal(y, torch.tensor([105, 106, 107, 108]))
+
+
+def test_damaged_llmc_headers_are_refused_naming_the_file(tmp_path: Path) -> None:
+    _llmc_shard(tmp_path / "v7.bin", [1, 2, 3], version=7)
+    _llmc_shard(tmp_path / "short.bin", [1, 2, 3], count=4)  # a truncated copy
+    (tmp_path / "stub.bin").write_bytes(np.array([20240520, 1], dtype="<i4").tobytes())
+    for name, message in [
+        ("v7.bin", "v7.bin is an llm.c shard of version 7; trainmesh reads version 1"),
+        ("short.bin", "short.bin has 1,030 bytes, but its llm.c header says 4 tokens, which take 1,032 bytes"),
+        ("stub.bin", "stub.bin starts with llm.c's magic 20240520 but has 8 bytes, less than its 1024-byte header"),
+    ]:
+        with pytest.raises(BadShardError, match=re.escape(message)):
+            load_tokens(tmp_path / name)

@@ -4,8 +4,8 @@ Sources (`data.source`):
 - `embedded`: the Python standard library's own source, present on every machine with Python —
   real text, nothing to download.
 - a text file: tokenised with `data.tokenizer`.
-- a folder of token shards: `*train*.bin`/`*val*.bin` (raw uint16, nanoGPT style) or `.npy`
-  (build-nanogpt style); used in place, no copy.
+- a folder of token shards: `*train*.bin`/`*val*.bin` (llm.c's layout with its 1024-byte header, or raw
+  uint16, nanoGPT style) or `.npy` (build-nanogpt style); used in place, no copy (data/shards.py).
 
 Text is split into train/val by 64 KiB chunk (every k-th chunk to val), so validation text comes from
 all over the corpus. The cache folder is keyed by a hash of the inputs and committed by an atomic rename,
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
+from trainmesh.data.shards import BadShardError, load_tokens
 from trainmesh.data.tokenizer import Tokenizer
 
 log = get_logger(__name__)
@@ -39,10 +39,7 @@ log = get_logger(__name__)
 CHUNK_BYTES = 64 * 1024
 TOKEN_DTYPE = np.uint16
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-class BadShardError(UserError, ValueError):
-    """A token shard that cannot be read as one, or holds ids outside the vocabulary."""
+__all__ = ["BadShardError", "TokenCorpus", "check_token_range", "embedded_files", "load_tokens", "shard_corpus"]
 
 
 @dataclass(frozen=True)
@@ -98,34 +95,6 @@ def text_corpus(files: list[Path], tokenizer: Tokenizer, val_fraction: float, ca
     if not (folder / "meta.json").is_file():
         _build_cache(files, tokenizer, val_fraction, folder)
     return TokenCorpus((folder / "train.bin",), (folder / "val.bin",), tokenizer.vocab_size)
-
-
-def load_tokens(path: Path) -> np.ndarray:
-    """Memory-map one shard (no read into RAM)."""
-    if path.suffix == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise BadShardError(f"token shard {path} is not a readable .npy array: {e}") from None
-        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
-            raise BadShardError(
-                f"token shard {path} holds a {tokens.dtype} array of shape {tokens.shape}, not token ids"
-            )
-        if not len(tokens):
-            raise BadShardError(f"token shard {path} is empty")
-        return tokens
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise BadShardError(f"token shard {path} cannot be read: {e.strerror}") from None
-    if size == 0:
-        raise BadShardError(f"token shard {path} is empty (0 bytes)")
-    if size % np.dtype(TOKEN_DTYPE).itemsize:
-        raise BadShardError(
-            f"token shard {path} has {size:,} bytes, not a whole number of {np.dtype(TOKEN_DTYPE).itemsize}-byte "
-            "(uint16) token ids: truncated, or not a token shard"
-        )
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
 
 def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> None:

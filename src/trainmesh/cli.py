@@ -1,4 +1,4 @@
-"""The `trainmesh` command: run, check, bench, plan, env, slurm, k8s, ckpt.
+"""The `trainmesh` command: run, check, bench, plan, env, slurm, k8s, ckpt, data, horovodrun.
 
 trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
 trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
@@ -13,9 +13,11 @@ trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<r
 trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
 trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GPT-2 folder (from_pretrained loads it)
 trainmesh horovodrun -np 2 python train.py            # a Horovod script (import trainmesh.horovod as hvd)
+trainmesh data prepare corpus/ --tokenizer gpt2 --out data/corpus   # text, JSON Lines, Parquet -> token shards
 
 This module only parses: it imports no torch, so `trainmesh --help` is instant. What each command does is
-in trainmesh.commands, imported once the command line is understood.
+in trainmesh.commands, imported once the command line is understood; `data prepare` is trainmesh.data.prepare,
+called from here without importing trainmesh.commands, so that neither it nor its workers load torch.
 """
 
 from __future__ import annotations
@@ -220,6 +222,34 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser, command: str, defaults
         )
 
 
+def _add_data_parser(sub: Any) -> None:
+    """`trainmesh data prepare`; the values are checked by trainmesh.data.prepare.PrepareOptions."""
+    data = sub.add_parser("data", help="prepare token shards for training from text, JSON Lines, Parquet, datasets")
+    actions = data.add_subparsers(dest="action", required=True)
+    prepare = actions.add_parser(
+        "prepare",
+        help="tokenise documents into llm.c-style train/val shards and a manifest (docs/data.md)",
+        description="Tokenise text files (each one document), JSON Lines and Parquet files (a document a record), "
+        "saved Hugging Face datasets and folders of these, in parallel processes, into "
+        "<out>/<name>_train_000000.bin, ..., <name>_val_000000.bin, ... (llm.c's layout) and manifest.json. "
+        "Train on it with --data.source=<out>. Details: docs/data.md.",
+    )
+    prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files and folders to read")
+    prepare.add_argument("-o", "--out", type=Path, required=True, help="the folder to write (new or empty)")
+    # Defaults are PrepareOptions' (None here: not given), written out in the help only.
+    prepare.add_argument("--tokenizer", help="byte | gpt2 (default byte, as data.tokenizer)")
+    prepare.add_argument("--text-field", help="JSON field / Parquet or dataset column holding the text (default text)")
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        help="share of the tokens held out for validation: every round(1/F)-th block of 65,536 (default 0.05)",
+    )
+    prepare.add_argument("--shard-tokens", type=int, help="tokens per shard file (default 100,000,000, llm.c's)")
+    prepare.add_argument("--workers", type=int, help="tokenising processes (default: one per available CPU)")
+    prepare.add_argument("--force", action="store_true", help="replace a non-empty --out (once the new one is done)")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -326,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="export: safetensors (default: one file, trainmesh's names) | hf (a folder that transformers' "
         "GPT2LMHeadModel.from_pretrained loads: GPT-2's names, config.json, and the tokenizer of gpt2-tokenizer runs)",
     )
+    _add_data_parser(sub)
     return parser
 
 
@@ -364,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "data":  # before `commands`, which imports torch: the tokenising processes stay small
+            return _prepare_data(args)
         from trainmesh import commands  # torch and everything else, now that the command line is understood
 
         if args.command == "env":
@@ -426,6 +459,33 @@ def _horovodrun(argv: list[str]) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted (Ctrl-C) before the workers started")
         return EXIT_INTERRUPTED
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    """`trainmesh data prepare` (trainmesh.data.prepare imports no torch)."""
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    given = {k: getattr(args, k) for k in ("tokenizer", "text_field", "val_fraction", "shard_tokens", "workers")}
+    options = PrepareOptions(
+        inputs=tuple(args.inputs),
+        out=args.out,
+        force=args.force,
+        progress=not args.no_progress,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    try:
+        done = prepare(options)
+    except KeyboardInterrupt:
+        log.warning("interrupted (Ctrl-C): nothing was written to %s", args.out)
+        return EXIT_INTERRUPTED
+    manifest = done.manifest
+    for name, split in (("train", manifest.train), ("val", manifest.val)):
+        print(f"{name:5} {split.tokens:>15,} tokens in {len(split.shards)} shard(s), {split.documents:,} document(s)")
+    print(
+        f"wrote {done.folder}; train on it with: trainmesh run gpt --data.source={done.folder} "
+        f"--data.tokenizer={manifest.tokenizer.name}"
+    )
+    return 0
 
 
 def _version() -> str:

@@ -147,3 +147,45 @@ def test_damaged_llmc_headers_are_refused_naming_the_file(tmp_path: Path) -> Non
     ]:
         with pytest.raises(BadShardError, match=re.escape(message)):
             load_tokens(tmp_path / name)
+
+
+def test_a_prepared_folder_is_read_from_its_manifest(tmp_path: Path) -> None:
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    (tmp_path / "a.txt").write_text("text to train on " * 500)
+    out = tmp_path / "pretrain"  # 'train' in every name: the manifest, not the names, tells the splits apart
+    prepare(PrepareOptions((tmp_path / "a.txt",), out, shard_tokens=2000, progress=False))
+    corpus = shard_corpus(out)
+    assert [p.name for p in corpus.train] == [f"pretrain_train_{i:06d}.bin" for i in range(5)]  # 8,075 tokens
+    assert [p.name for p in corpus.val] == ["pretrain_val_000000.bin"] and corpus.vocab_size == 256
+    with (out / "pretrain_train_000001.bin").open("r+b") as f:
+        f.write(b"\0")  # the magic damaged: without the manifest it would pass for raw tokens
+    with pytest.raises(
+        BadShardError, match=r"pretrain_train_000001.bin holds no llm.c header, but .*manifest.json says"
+    ):
+        shard_corpus(out)
+    (out / "pretrain_train_000001.bin").unlink()
+    with pytest.raises(BadShardError, match=r"pretrain_train_000001.bin, which .*manifest.json lists, is missing"):
+        shard_corpus(out)
+
+
+def test_the_gpt_recipe_takes_the_vocabulary_from_the_manifest_and_refuses_another_tokenizer(tmp_path: Path) -> None:
+    from trainmesh.config import ConfigError
+    from trainmesh.data.prepare import PrepareOptions, prepare
+    from trainmesh.job import load_config
+
+    (tmp_path / "a.txt").write_text("text to train on " * 500)
+    prepare(PrepareOptions((tmp_path / "a.txt",), tmp_path / "data", tokenizer="gpt2", progress=False))
+    source = f"--data.source={tmp_path / 'data'}"
+    assert load_config(None, [source, "--data.tokenizer=gpt2"], "gpt").model.vocab_size == 50257
+    assert (
+        load_config(None, [source, "--data.tokenizer=gpt2", "--model.vocab_size=50304"], "gpt").model.vocab_size
+        == 50304
+    )
+    with pytest.raises(
+        ConfigError, match=r"was tokenised with 'gpt2' \(its manifest.json\), but data.tokenizer='byte'"
+    ):
+        load_config(None, [source], "gpt")
+    (tmp_path / "data" / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match=r"shards without a manifest.json, so the vocabulary size is unknown"):
+        load_config(None, [source], "gpt")

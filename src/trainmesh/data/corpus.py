@@ -4,12 +4,14 @@ Sources (`data.source`):
 - `embedded`: the Python standard library's own source, present on every machine with Python —
   real text, nothing to download.
 - a text file: tokenised with `data.tokenizer`.
-- a folder of token shards: `*train*.bin`/`*val*.bin` (llm.c's layout with its 1024-byte header, or raw
-  uint16, nanoGPT style) or `.npy` (build-nanogpt style); used in place, no copy (data/shards.py).
+- a folder of token shards, used in place, no copy: one `trainmesh data prepare` wrote (its manifest.json
+  lists the shards and names the tokenizer), or `*train*` / `*val*` files from elsewhere: `.bin` in llm.c's
+  layout or raw uint16 (nanoGPT), or `.npy` (build-nanogpt); see data/shards.py.
 
-Text is split into train/val by 64 KiB chunk (every k-th chunk to val), so validation text comes from
-all over the corpus. The cache folder is keyed by a hash of the inputs and committed by an atomic rename,
-so concurrent builders (one per node) cannot leave a half-written cache behind.
+Text is tokenised as `trainmesh data prepare` does it (data/prepare.py `build`: each file one document,
+streamed, in parallel processes for large inputs, every k-th block of 65,536 tokens to val) into the cache.
+The cache folder is keyed by a hash of the inputs and committed by an atomic rename, so concurrent builders
+(one per node) cannot leave a half-written cache behind.
 
 Shards are checked before training: an empty or odd-sized one is refused naming the file, and
 `check_token_range` refuses token ids outside the model's vocabulary once, at the start (on a GPU such an
@@ -28,16 +30,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from trainmesh.core.logging import get_logger
-from trainmesh.data.shards import BadShardError, load_tokens
+from trainmesh.data.encode import available_cpus
+from trainmesh.data.manifest import Manifest, read_manifest
+from trainmesh.data.prepare import build
+from trainmesh.data.shards import BadShardError, llmc_token_count, load_tokens
+from trainmesh.data.sources import text_source
 from trainmesh.data.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
-CHUNK_BYTES = 64 * 1024
-TOKEN_DTYPE = np.uint16
+PARALLEL_BYTES = 64 << 20  # less text is tokenised faster in this process than by starting workers
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 __all__ = ["BadShardError", "TokenCorpus", "check_token_range", "embedded_files", "load_tokens", "shard_corpus"]
 
@@ -49,7 +52,8 @@ class TokenCorpus:
     train: tuple[Path, ...]
     val: tuple[Path, ...]
     vocab_size: int
-    """From the tokenizer; 0 for pre-tokenised shards (model.vocab_size must then be set)."""
+    """From the tokenizer (or a prepared folder's manifest); 0 for shards from elsewhere (model.vocab_size must
+    then be set)."""
 
 
 def default_cache_dir() -> Path:
@@ -76,7 +80,11 @@ def embedded_files(max_bytes: int) -> list[Path]:
 
 
 def shard_corpus(folder: Path) -> TokenCorpus:
-    """A folder of pre-tokenised shards; names containing 'train' / 'val' tell the splits apart."""
+    """A folder of pre-tokenised shards: those its manifest.json lists, else the files whose names contain
+    'train' / 'val'."""
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        return _prepared_corpus(folder, manifest)
     shards = sorted(p for p in folder.iterdir() if p.suffix in (".bin", ".npy"))
     train = tuple(p for p in shards if "train" in p.name)
     val = tuple(p for p in shards if "val" in p.name)
@@ -89,12 +97,33 @@ def shard_corpus(folder: Path) -> TokenCorpus:
 
 
 def text_corpus(files: list[Path], tokenizer: Tokenizer, val_fraction: float, cache_dir: Path) -> TokenCorpus:
-    """Tokenise text files once into cache_dir/<hash>/{train,val}.bin and return the cached shards."""
-    key = _cache_key(files, tokenizer, val_fraction)
-    folder = cache_dir / key
-    if not (folder / "meta.json").is_file():
-        _build_cache(files, tokenizer, val_fraction, folder)
-    return TokenCorpus((folder / "train.bin",), (folder / "val.bin",), tokenizer.vocab_size)
+    """Tokenise text files (each one document) once into cache_dir/<hash>/ and return the cached shards."""
+    folder = cache_dir / _cache_key(files, tokenizer, val_fraction)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        manifest = _build_cache(files, tokenizer, val_fraction, folder)
+    return _prepared_corpus(folder, manifest)
+
+
+def _prepared_corpus(folder: Path, manifest: Manifest) -> TokenCorpus:
+    """The shards a manifest lists, each checked to be there in full (a header and size that agree with it)."""
+    for info in (*manifest.train.shards, *manifest.val.shards):
+        path = folder / info.file
+        if not path.is_file():
+            raise BadShardError(
+                f"token shard {path}, which {folder / 'manifest.json'} lists, is missing: the folder was copied "
+                "in part. Fix: copy it whole, or prepare it again (trainmesh data prepare)."
+            )
+        count = llmc_token_count(path)
+        if count != info.tokens:
+            raise BadShardError(
+                f"token shard {path} holds {'no llm.c header' if count is None else f'{count:,} tokens'}, but "
+                f"{folder / 'manifest.json'} says {info.tokens:,} tokens: corrupted, or replaced. "
+                "Fix: prepare the folder again (trainmesh data prepare)."
+            )
+    train = tuple(folder / s.file for s in manifest.train.shards)
+    val = tuple(folder / s.file for s in manifest.val.shards)
+    return TokenCorpus(train, val, manifest.tokenizer.vocab_size)
 
 
 def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> None:
@@ -136,51 +165,35 @@ def _token_range(path: Path, cache_dir: Path) -> tuple[int, int]:
 
 
 def _cache_key(files: list[Path], tokenizer: Tokenizer, val_fraction: float) -> str:
-    h = hashlib.sha256(f"v1|{tokenizer.name}|{tokenizer.vocab_size}|{val_fraction}".encode())
+    # v2: llm.c-headered shards, one document per file after the tokenizer's eot (v1: raw uint16, files joined)
+    h = hashlib.sha256(f"v2|{tokenizer.name}|{tokenizer.vocab_size}|{val_fraction}".encode())
     for path in files:
         stat = path.stat()
         h.update(f"|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def _read_text(path: Path) -> str:
-    """A text file as UTF-8; undecodable bytes become U+FFFD, with a warning naming the file."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        text = raw.decode("utf-8", errors="replace")
-        log.warning(
-            "%s is not valid UTF-8 (first at byte %d of %d: %s); its undecodable bytes are replaced by U+FFFD. "
-            "Convert it to UTF-8 to train on its exact text.",
-            path,
-            e.start,
-            len(raw),
-            e.reason,
-        )
-        return text
-
-
-def _build_cache(files: list[Path], tokenizer: Tokenizer, val_fraction: float, folder: Path) -> None:
-    text = "\n".join(_read_text(p) for p in files)
-    tokens = tokenizer.encode(text)
-    if int(tokens.max(initial=0)) > np.iinfo(TOKEN_DTYPE).max:
-        raise ValueError(f"tokenizer {tokenizer.name!r} emits ids above {np.iinfo(TOKEN_DTYPE).max}")
-    chunks = [tokens[i : i + CHUNK_BYTES] for i in range(0, len(tokens), CHUNK_BYTES)]
-    every = max(2, round(1 / val_fraction))
-    val = [c for i, c in enumerate(chunks) if i % every == every - 1]
-    train = [c for i, c in enumerate(chunks) if i % every != every - 1]
-    if not val:  # tiny corpus: hold out its tail
-        split = max(1, int(len(tokens) * (1 - val_fraction)))
-        train, val = [tokens[:split]], [tokens[split:]]
+def _build_cache(files: list[Path], tokenizer: Tokenizer, val_fraction: float, folder: Path) -> Manifest:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    np.concatenate(train).astype(TOKEN_DTYPE).tofile(staging / "train.bin")
-    np.concatenate(val).astype(TOKEN_DTYPE).tofile(staging / "val.bin")
-    meta = {"tokenizer": tokenizer.name, "files": len(files), "tokens": len(tokens)}
-    (staging / "meta.json").write_text(json.dumps(meta))
+    large = sum(p.stat().st_size for p in files) >= PARALLEL_BYTES
+    try:
+        manifest = build(
+            [text_source(p) for p in files],
+            staging,
+            "corpus",
+            tokenizer,
+            val_fraction=val_fraction,
+            workers=available_cpus() if large else 1,
+            record={"inputs": [str(p) for p in files], "tokenizer": tokenizer.name, "val_fraction": val_fraction},
+        )
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         staging.rename(folder)  # atomic commit; loses the race harmlessly if another builder won
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("tokenised %d file(s), %s tokens -> %s", len(files), f"{len(tokens):,}", folder)
+        manifest = read_manifest(folder) or manifest
+    log.info("tokenised %d file(s) -> %s", len(files), folder)
+    return manifest

@@ -2,7 +2,9 @@
 
 The default is byte-level (vocabulary 256, nothing to download or train); `gpt2` is OpenAI's GPT-2 BPE
 (data/gpt2.py, the `trainmesh[gpt2]` extra). Register another with `register_tokenizer("name", factory)`
-and select it with `data.tokenizer=name`.
+and select it with `data.tokenizer=name`. Tokenising runs in `spawn`ed worker processes when there is much
+text (`trainmesh data prepare --workers`), which build the tokenizer by name: register it at the top level
+of a module (your script included), not under `if __name__ == "__main__":`, so that they register it too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ _TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"byte": ByteTokenizer, "gpt2"
 
 def register_tokenizer(name: str, factory: Callable[[], Tokenizer]) -> None:
     _TOKENIZERS[name] = factory
+
+
+def tokenizer_names() -> list[str]:
+    return sorted(_TOKENIZERS)
 
 
 def get_tokenizer(name: str) -> Tokenizer:

@@ -21,6 +21,7 @@ from trainmesh.data.corpus import (
     text_corpus,
 )
 from trainmesh.data.datasets import TokenWindows
+from trainmesh.data.manifest import read_manifest
 from trainmesh.data.tokenizer import get_tokenizer
 from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt.hf_init import HFWeights, complete_folder, describe
@@ -47,15 +48,22 @@ class GPTRecipe(Recipe):
         return model.block_size
 
     def complete_model(self, config: Config) -> ModelConfig:
-        """The shape (and vocabulary) from model.init_from's config.json where it is set (checked against the
-        keys set here); else model.vocab_size from the tokenizer for text sources (a folder of shards must
-        state it)."""
+        """The vocabulary, and with model.init_from the shape, that follow from the data and the weights.
+        model.init_from's config.json fills in the shape and vocabulary (checked against the keys set here). The
+        data's vocabulary: a folder `trainmesh data prepare` wrote names its tokenizer in manifest.json (checked
+        against data.tokenizer); text sources use data.tokenizer's; other shard folders must state
+        model.vocab_size."""
         model = config.model
         assert isinstance(model, GPTConfig)
-        shards = Path(config.data.source).expanduser().is_dir()
+        source = Path(config.data.source).expanduser()
+        prepared = read_manifest(source) if source.is_dir() else None
+        if prepared is not None:
+            _check_tokenizer(config.data.source, config.data.tokenizer, prepared.tokenizer.name)
+            tokens = prepared.tokenizer.vocab_size
+        else:  # 0: unknown, shards without a manifest
+            tokens = 0 if source.is_dir() else get_tokenizer(config.data.tokenizer).vocab_size
         if model.init_from:
             model = complete_folder(model)
-            tokens = 0 if shards else get_tokenizer(config.data.tokenizer).vocab_size
             if tokens > model.vocab_size:  # else found only once the data is tokenised, in every worker
                 raise ValueError(
                     f"data.tokenizer={config.data.tokenizer!r} has {tokens} tokens, more than model.vocab_size="
@@ -64,12 +72,13 @@ class GPTRecipe(Recipe):
                 )
         if model.vocab_size:
             return model
-        if shards:
+        if not tokens:
             raise ValueError(
-                f"data.source={config.data.source!r} holds pre-tokenised shards, so the vocabulary size is "
-                "unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer)."
+                f"data.source={config.data.source!r} holds pre-tokenised shards without a manifest.json, so the "
+                "vocabulary size is unknown. Fix: set --model.vocab_size (e.g. 50304 for GPT-2's tokenizer), or "
+                "prepare the data with trainmesh data prepare, which records its tokenizer."
             )
-        return replace(model, vocab_size=get_tokenizer(config.data.tokenizer).vocab_size)
+        return replace(model, vocab_size=tokens)
 
     def prepare(self, config: Config, runtime: Runtime) -> Datasets:
         model = config.model
@@ -150,6 +159,17 @@ class GPTRecipe(Recipe):
             out = model.generate(idx, sample.max_new_tokens, sample.temperature, sample.top_k)
         model.train(was_training)
         return tokenizer.decode(out[0].tolist())
+
+
+def _check_tokenizer(source: str, tokenizer: str, prepared_with: str) -> None:
+    """The config's tokenizer must be the one the shards were made with: it turns the prompt into ids and the
+    sample back into text, and another's ids would make both nonsense."""
+    if tokenizer != prepared_with:
+        raise ValueError(
+            f"data.source={source!r} was tokenised with {prepared_with!r} (its manifest.json), but "
+            f"data.tokenizer={tokenizer!r}, which would encode the sample's prompt and decode the text it writes. "
+            f"Fix: --data.tokenizer={prepared_with}."
+        )
 
 
 def _cache_dir(config: Config) -> Path:

@@ -1,0 +1,121 @@
+"""Pieces of text to token ids, in worker processes, in the order of the pieces.
+
+Pieces are grouped into tasks of about 1 MiB of text. With one worker they are encoded in this process;
+with more, by a pool of `spawn`ed processes (no fork of a process that may hold threads, CUDA or a process
+group), each building the tokenizer by name once. Results come back in task order, so the token stream is
+the same for any number of workers. At most two tasks per worker are in flight: `Pool.imap` would read the
+whole input ahead into its queue, and memory would grow with the corpus. The pool is concurrent.futures'
+rather than multiprocessing.Pool: a worker that dies (killed for memory, or a tokenizer that cannot be built
+there) ends the run with BrokenProcessPool, where Pool would wait for its result forever.
+
+Each document starts with the tokenizer's `eot` (GPT-2's <|endoftext|>), as GPT-2 and llm.c lay out
+their training data; a tokenizer without one (byte) puts documents side by side, nothing between them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from trainmesh.data.textstream import Piece
+from trainmesh.data.tokenizer import Tokenizer, get_tokenizer
+
+TASK_CHARS = 1 << 20
+IN_FLIGHT_PER_WORKER = 2
+
+
+class Task(NamedTuple):
+    pieces: list[tuple[str, bool]]
+    """(text, starts a document)"""
+    source_bytes: int
+
+
+class Encoded(NamedTuple):
+    tokens: np.ndarray
+    """uint16 ids, the document separators included"""
+    document_starts: np.ndarray
+    """offsets into `tokens` where a document starts (at its separator)"""
+    source_bytes: int
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) -> Iterator[Encoded]:
+    """The pieces' tokens, task by task, in order."""
+    tasks = _tasks(pieces)
+    if workers <= 1:
+        tokenizer = get_tokenizer(tokenizer_name)
+        for task in tasks:
+            yield encode_task(tokenizer, task)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,)) as pool:
+        in_flight: deque[Future[Encoded]] = deque()
+        try:
+            for task in tasks:
+                in_flight.append(pool.submit(_encode_in_worker, task))
+                if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                    yield in_flight.popleft().result()
+            while in_flight:
+                yield in_flight.popleft().result()
+        finally:  # on an error or Ctrl-C: drop the queued tasks instead of finishing them
+            for future in in_flight:
+                future.cancel()
+
+
+def encode_task(tokenizer: Tokenizer, task: Task) -> Encoded:
+    parts: list[np.ndarray] = []
+    starts: list[int] = []
+    count = 0
+    separator = None if tokenizer.eot is None else np.array([tokenizer.eot], dtype=np.uint16)
+    for text, starts_document in task.pieces:
+        if starts_document:
+            starts.append(count)
+            if separator is not None:
+                parts.append(separator)
+                count += 1
+        ids = tokenizer.encode(text).astype(np.uint16, copy=False)  # ids fit: prepare checked the vocabulary
+        parts.append(ids)
+        count += len(ids)
+    tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
+    return Encoded(tokens, np.array(starts, dtype=np.int64), task.source_bytes)
+
+
+def _tasks(pieces: Iterable[Piece]) -> Iterator[Task]:
+    batch: list[tuple[str, bool]] = []
+    chars = source_bytes = 0
+    for piece in pieces:
+        batch.append((piece.text, piece.starts_document))
+        chars += len(piece.text)
+        source_bytes += piece.source_bytes
+        if chars >= TASK_CHARS:
+            yield Task(batch, source_bytes)
+            batch, chars, source_bytes = [], 0, 0
+    if batch:
+        yield Task(batch, source_bytes)
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tokenizer_name: str) -> None:
+    global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process stops the pool
+    _worker_tokenizer = get_tokenizer(tokenizer_name)
+
+
+def _encode_in_worker(task: Task) -> Encoded:
+    assert _worker_tokenizer is not None
+    return encode_task(_worker_tokenizer, task)

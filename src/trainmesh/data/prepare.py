@@ -1,0 +1,274 @@
+"""`trainmesh data prepare`: documents in, llm.c-style token shards and a manifest out.
+
+    sources.py     input paths -> sources -> documents (text streamed in pieces: textstream.py)
+    encode.py      pieces -> token ids, in parallel processes, in order, each document after `eot`
+    split.py       the token stream -> train / val (every k-th block of 65,536 tokens is val)
+    shards.py      each split -> `<name>_<split>_000000.bin`, ... (llm.c's header, uint16 tokens)
+    manifest.py    manifest.json: tokenizer, shards and their SHA-256, inputs and theirs, counts, options
+
+The output is built in a hidden staging folder beside `--out` and renamed into place when complete, so an
+interrupted run leaves no folder that looks prepared. The data is streamed end to end: memory does not grow
+with the corpus. The GPT recipe's text-file source tokenises through `build` too (data/corpus.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from trainmesh.core.errors import UserError
+from trainmesh.core.logging import get_logger
+from trainmesh.data.encode import available_cpus, encode_pieces
+from trainmesh.data.manifest import MANIFEST, Manifest, SourceInfo, SplitInfo, TokenizerInfo, trainmesh_version
+from trainmesh.data.shards import MAX_SHARD_TOKENS, ShardWriter
+from trainmesh.data.sources import Source, check_readers, find_sources, read_pieces
+from trainmesh.data.split import TrainValSplit
+from trainmesh.data.tokenizer import Tokenizer, get_tokenizer, tokenizer_names
+
+log = get_logger(__name__)
+
+DEFAULT_SHARD_TOKENS = 10**8  # llm.c's fineweb.py: 200 MB a shard
+UINT16_IDS = int(np.iinfo(np.uint16).max) + 1
+
+
+class PrepareError(UserError, ValueError):
+    """Options or an output folder that `trainmesh data prepare` refuses."""
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """`trainmesh data prepare`'s options (cli.py's flags of the same names)."""
+
+    inputs: tuple[Path, ...]
+    out: Path
+    tokenizer: str = "byte"
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    workers: int = 0
+    """0: one per available CPU"""
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.val_fraction <= 0.5:
+            raise PrepareError(
+                f"--val-fraction={self.val_fraction}: the share of tokens held out for validation must be more "
+                "than 0 and at most 0.5. Fix: e.g. --val-fraction=0.01 for a large corpus (llm.c holds out 1e8 "
+                "tokens of FineWeb's 1e10)."
+            )
+        if not 0 < self.shard_tokens <= MAX_SHARD_TOKENS:
+            raise PrepareError(
+                f"--shard-tokens={self.shard_tokens}: a shard holds 1 to {MAX_SHARD_TOKENS:,} tokens (its header "
+                f"counts them in an int32). Fix: --shard-tokens={DEFAULT_SHARD_TOKENS} (llm.c's size)."
+            )
+        if self.workers < 0:
+            raise PrepareError(f"--workers={self.workers}: a count of processes. Fix: --workers=0 (one per CPU).")
+        if not self.text_field:
+            raise PrepareError("--text-field is empty. Fix: --text-field=text (the field or column with the text).")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    folder: Path
+    manifest: Manifest
+
+
+def prepare(options: PrepareOptions) -> Prepared:
+    """Check everything, then tokenise the inputs into `options.out` (replacing it only with `force`)."""
+    tokenizer = _tokenizer(options.tokenizer)
+    sources = find_sources(options.inputs)
+    check_readers(sources)
+    out = options.out
+    _check_out(out, list(options.inputs), sources, options.force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for left in sorted(out.parent.glob(f".{out.name}.partial-*")):  # not removed: its process may still run
+        log.warning("%s was left by a prepare that was killed (or still runs); remove it once it is not", left)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    staging.mkdir()
+    workers = options.workers or available_cpus()
+    try:
+        record = {
+            "inputs": [str(p) for p in options.inputs],
+            "tokenizer": options.tokenizer,
+            "text_field": options.text_field,
+            "val_fraction": options.val_fraction,
+            "shard_tokens": options.shard_tokens,
+            "workers": workers,
+        }
+        manifest = build(
+            sources,
+            staging,
+            out.resolve().name,
+            tokenizer,
+            text_field=options.text_field,
+            val_fraction=options.val_fraction,
+            shard_tokens=options.shard_tokens,
+            workers=workers,
+            progress=options.progress,
+            record=record,
+        )
+        _commit(staging, out)
+    except BaseException:  # Ctrl-C included: no half-written folder stays behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Prepared(out, manifest)
+
+
+def build(
+    sources: Sequence[Source],
+    folder: Path,
+    name: str,
+    tokenizer: Tokenizer,
+    *,
+    text_field: str = "text",
+    val_fraction: float,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    workers: int = 1,
+    progress: bool = True,
+    record: dict[str, Any] | None = None,
+) -> Manifest:
+    """Tokenise `sources` into shards `name`_train_*.bin / `name`_val_*.bin and manifest.json in `folder`
+    (empty, and renamed into place by the caller once this returns)."""
+    if tokenizer.vocab_size > UINT16_IDS:
+        raise PrepareError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} token ids; the shards store uint16 ids "
+            f"(llm.c's version-1 layout), which hold {UINT16_IDS:,}. Fix: a tokenizer of at most {UINT16_IDS:,}."
+        )
+    started = time.perf_counter()
+    described = _describe_sources(sources, progress)
+    writers = {split: ShardWriter(folder, name, split, shard_tokens) for split in ("train", "val")}
+    split = TrainValSplit(val_fraction, writers["train"], writers["val"])
+    pieces = chain.from_iterable(read_pieces(source, text_field) for source in sources)
+    total = sum(s.bytes for s in described)
+    with _bar(progress, total, "tokenising") as bar:
+        for encoded in encode_pieces(pieces, tokenizer.name, workers):
+            split.feed(encoded.tokens, encoded.document_starts)
+            bar.update(encoded.source_bytes)
+            bar.set_postfix_str(f"{split.tokens:,} tokens", refresh=False)
+    split.finish()
+    splits = {part: SplitInfo(split.documents[part], w.tokens, tuple(w.close())) for part, w in writers.items()}
+    manifest = Manifest(
+        tokenizer=TokenizerInfo(tokenizer.name, tokenizer.vocab_size, tokenizer.eot),
+        train=splits["train"],
+        val=splits["val"],
+        sources=tuple(described),
+        options=record or {},
+        trainmesh_version=trainmesh_version(),
+    )
+    (folder / MANIFEST).write_text(manifest.to_json())
+    _log_summary(manifest, total, time.perf_counter() - started, workers)
+    return manifest
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    if name not in tokenizer_names():
+        raise PrepareError(
+            f"--tokenizer={name!r} is unknown; registered: {', '.join(tokenizer_names())}. "
+            "Fix: --tokenizer=gpt2 (GPT-2's BPE) or --tokenizer=byte."
+        )
+    return get_tokenizer(name)  # built here once, so that missing vocabulary files stop the run before any work
+
+
+def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: bool) -> None:
+    """Refuse an --out that would read or replace its own inputs, or replace data without --force."""
+    real_out = out.resolve()
+    for given in [*inputs, *(s.path for s in sources)]:
+        real = given.resolve()
+        if given.is_dir() and real_out.is_relative_to(real):
+            raise PrepareError(
+                f"--out={str(out)!r} is inside the input folder {str(given)!r}: prepare would read its own output "
+                "there (this time or the next). Fix: an --out outside the input folders."
+            )
+        if real.is_relative_to(real_out):
+            raise PrepareError(
+                f"the input {str(given)!r} is inside --out={str(out)!r}, which prepare replaces. "
+                "Fix: an --out that holds none of the inputs."
+            )
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out={str(out)!r} is a file. Fix: name a folder (new, or empty).")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise PrepareError(
+            f"--out={str(out)!r} exists and is not empty. Fix: --force to replace it (it is removed once the new "
+            "data is complete), or another --out."
+        )
+
+
+def _commit(staging: Path, out: Path) -> None:
+    """Rename the complete staging folder to `out`; an old `out` is moved aside first, then removed."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old)
+
+
+def _describe_sources(sources: Sequence[Source], progress: bool) -> list[SourceInfo]:
+    """Each source's size and SHA-256 (a pass over the inputs before the tokenising one)."""
+    files = {source: source.files() for source in sources}
+    total = sum(p.stat().st_size for paths in files.values() for p in paths)
+    described = []
+    with _bar(progress, total, "hashing") as bar:
+        for source, paths in files.items():
+            digests = []
+            for path in paths:
+                with path.open("rb") as f:
+                    digests.append(hashlib.file_digest(f, "sha256").hexdigest())
+                bar.update(path.stat().st_size)
+            if source.kind == "hf":
+                lines = sorted(f"{d}  {p.relative_to(source.path)}\n" for d, p in zip(digests, paths, strict=True))
+                digest = hashlib.sha256("".join(lines).encode()).hexdigest()
+            else:
+                digest = digests[0]
+            size = sum(p.stat().st_size for p in paths)
+            described.append(SourceInfo(str(source.path.resolve()), source.kind, size, digest))
+    return described
+
+
+def _bar(progress: bool, total: int, what: str) -> tqdm[Any]:
+    """A progress bar on stderr, drawn only on a terminal (disable=None) and unless switched off."""
+    return tqdm(
+        total=total,
+        desc=what,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
+
+
+def _log_summary(manifest: Manifest, source_bytes: int, seconds: float, workers: int) -> None:
+    train, val = manifest.train, manifest.val
+    tokens = train.tokens + val.tokens
+    log.info(
+        "tokenised %d input(s), %s bytes, with %s in %.1f s (%.1f MB/s, %s tokens/s, %d worker(s)): %s document(s), "
+        "%s tokens; train %s in %d shard(s), val %s in %d",
+        len(manifest.sources),
+        f"{source_bytes:,}",
+        manifest.tokenizer.name,
+        seconds,
+        source_bytes / max(seconds, 1e-9) / 1e6,
+        f"{tokens / max(seconds, 1e-9):,.0f}",
+        workers,
+        f"{train.documents + val.documents:,}",
+        f"{tokens:,}",
+        f"{train.tokens:,}",
+        len(train.shards),
+        f"{val.tokens:,}",
+        len(val.shards),
+    )

@@ -1,0 +1,177 @@
+"""What `trainmesh data prepare` refuses, with messages that say how to fix it; an interrupted run leaves
+nothing behind; and memory stays flat on a corpus larger than the memory it may use."""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from trainmesh.core.errors import UserError
+from trainmesh.data import prepare as prepare_module
+from trainmesh.data import tokenizer as tokenizer_module
+from trainmesh.data.prepare import PrepareOptions, prepare
+from trainmesh.data.tokenizer import ByteTokenizer
+
+
+def run(tmp_path: Path, *inputs: Path, out: str = "out", **options: Any) -> None:
+    prepare(PrepareOptions(inputs=inputs, out=tmp_path / out, progress=False, **options))
+
+
+def refused(message: str, tmp_path: Path, *inputs: Path, **options: Any) -> None:
+    with pytest.raises(UserError, match=message):
+        run(tmp_path, *inputs, **options)
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    path = tmp_path / "in" / "a.txt"
+    path.parent.mkdir()
+    path.write_text("some text\n" * 100)
+    return path
+
+
+def test_missing_inputs_and_unknown_tokenizers_are_refused(tmp_path: Path, text: Path) -> None:
+    refused(r"input '.*nothing.txt' does not exist", tmp_path, tmp_path / "nothing.txt")
+    refused(
+        r"--tokenizer='bpe' is unknown; registered: byte, gpt2. Fix: --tokenizer=gpt2", tmp_path, text, tokenizer="bpe"
+    )
+    (tmp_path / "empty").mkdir()
+    refused(r"input folder '.*empty' holds no file prepare reads", tmp_path, tmp_path / "empty")
+    (tmp_path / "a.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    refused(r"a.zst' is compressed in a format prepare does not read.*zstd -d", tmp_path, tmp_path / "a.zst")
+    refused(r"would be read twice", tmp_path, text, text.parent)
+    refused(r"--val-fraction=0.7: .* at most 0.5", tmp_path, text, val_fraction=0.7)
+    refused(r"--shard-tokens=0: a shard holds 1 to 2,147,483,647 tokens", tmp_path, text, shard_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", r"bad.jsonl:2: not JSON \(Expecting property name.*\). .*one JSON object per line"),
+        ('{"body": "x", "id": 1}', r"bad.jsonl:2: no field 'text' \(its fields: body, id\). Fix: --text-field="),
+        ('{"text": null}', r"bad.jsonl:2: 'text' is null, not a string"),
+        ('["text"]', r"bad.jsonl:2: a JSON list, not an object with a 'text' field"),
+    ],
+)
+def test_a_bad_json_line_stops_the_run_naming_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"text": "good"}\n' + line + "\n")
+    refused(message, tmp_path, tmp_path / "bad.jsonl")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_parquet_without_pyarrow_and_a_missing_column(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "d.parquet")
+    refused(
+        r"d.parquet has no column 'text' \(its columns: body\). Fix: --text-field=", tmp_path, tmp_path / "d.parquet"
+    )
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    refused(
+        r"needs the Python package 'pyarrow'.*Fix: pip install 'trainmesh\[data\]'", tmp_path, tmp_path / "d.parquet"
+    )
+
+
+def test_out_is_never_an_input_and_is_replaced_only_with_force(tmp_path: Path, text: Path) -> None:
+    refused(
+        r"--out='.*in/out' is inside the input folder '.*in': prepare would read its own output",
+        tmp_path,
+        text.parent,
+        out="in/out",
+    )
+    refused(r"the input '.*a.txt' is inside --out='.*in', which prepare replaces", tmp_path, text, out="in")
+    run(tmp_path, text)
+    refused(r"--out='.*out' exists and is not empty. Fix: --force to replace it", tmp_path, text)
+    (tmp_path / "out" / "stale.bin").write_bytes(b"old")
+    run(tmp_path, text, force=True)
+    assert not (tmp_path / "out" / "stale.bin").exists() and (tmp_path / "out" / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no staging or old folder left
+
+
+def test_ids_that_do_not_fit_uint16_and_too_little_text_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path
+) -> None:
+    class Wide(ByteTokenizer):
+        name, vocab_size = "wide", 100_000
+
+    monkeypatch.setitem(tokenizer_module._TOKENIZERS, "wide", Wide)
+    refused(
+        r"tokenizer 'wide' has 100,000 token ids; the shards store uint16 ids .* hold 65,536",
+        tmp_path,
+        text,
+        tokenizer="wide",
+    )
+    (tmp_path / "one.txt").write_text("x")
+    refused(r"the inputs hold 1 token\(s\): too few for a train and a validation split", tmp_path, tmp_path / "one.txt")
+
+
+def test_an_interrupted_prepare_leaves_no_folder_behind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path
+) -> None:
+    real = prepare_module.encode_pieces
+
+    def interrupted(*args: Any) -> Iterator[Any]:
+        yield next(iter(real(*args)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "encode_pieces", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, text, shard_tokens=100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_on_a_corpus_larger_than_the_memory_cap(tmp_path: Path) -> None:
+    """300 MiB of text through 2 workers in a process whose data segment may not exceed 160 MiB: the text is
+    streamed, never held (the prepare modules import no torch, so the process stays small).
+
+    The peak resident memory of the process is its VmHWM, counted from its exec: its ru_maxrss would also count
+    the pages it shared with pytest between fork and exec. The workers' is their ru_maxrss (forked from it)."""
+    block = b"".join(b"line %d of a text larger than the memory prepare may use\n" % i for i in range(20_000))
+    corpus = tmp_path / "big.txt"
+    with corpus.open("wb") as f:
+        for _ in range(300 * 2**20 // len(block) + 1):
+            f.write(block)
+    size, cap = corpus.stat().st_size, 160 * 2**20
+    script = textwrap.dedent(f"""
+        import json, re, resource, sys
+        from pathlib import Path
+        from trainmesh.data.prepare import PrepareOptions, prepare
+        if __name__ == "__main__":
+            done = prepare(PrepareOptions((Path({str(corpus)!r}),), Path({str(tmp_path / "out")!r}), workers=2))
+            status = Path("/proc/self/status").read_text()
+            print(json.dumps({{
+                "tokens": done.manifest.train.tokens + done.manifest.val.tokens,
+                "peak_kib": int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)),
+                "workers_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                "torch": "torch" in sys.modules,
+            }}))
+    """)
+    (tmp_path / "measure.py").write_text(script)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "measure.py")], preexec_fn=limit, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["tokens"] == size and not report["torch"]  # bytes: a token each
+    assert max(report["peak_kib"], report["workers_peak_kib"]) * 1024 < cap < size / 1.8, report
+    tokens = np.memmap(next((tmp_path / "out").glob("out_val_*.bin")), dtype=np.uint16, mode="r", offset=1024)
+    assert re.fullmatch(rb"[a-z0-9 \n]+", bytes(tokens[:4096].astype(np.uint8)))
+    corpus.unlink()  # 900 MB of files not kept in pytest's temporary folders
+    for shard in (tmp_path / "out").glob("*.bin"):
+        shard.unlink()

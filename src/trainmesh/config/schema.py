@@ -276,10 +276,11 @@ class OptimConfig:
 class DataConfig:
     source: str = "embedded"
     """embedded (gpt: the Python standard library's source; resnet: scikit-learn's digits) | a text file or
-    a folder of token shards (gpt) | a folder of class sub-folders of images (resnet)."""
+    a folder of token shards, e.g. from `trainmesh data prepare` (gpt) | a folder of class sub-folders of
+    images (resnet)."""
     tokenizer: str = "byte"
-    """Tokenizer for text sources: byte (256 symbols, nothing to install) | gpt2 (OpenAI's GPT-2 BPE, 50257
-    tokens, offline; the trainmesh[gpt2] extra)."""
+    """Tokenizer for text sources, and for the sample's text: byte (256 symbols, nothing to install) | gpt2
+    (OpenAI's GPT-2 BPE, 50257 tokens, offline; the trainmesh[gpt2] extra). A prepared folder's must match."""
     val_fraction: float = 0.05
     """Share of a text corpus (or of the images, without a train/val split on disk) held out for validation."""
     max_corpus_mb: float = 8.0

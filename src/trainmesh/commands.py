@@ -14,8 +14,11 @@ from typing import Any
 
 from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, list_checkpoints
 from trainmesh.config import Config, ConfigError
+from trainmesh.core.dist import select_device
+from trainmesh.core.env import DistEnv
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
+from trainmesh.precision import check_precision_supported
 from trainmesh.recipes import get_recipe
 from trainmesh.rundir import (
     CONFIG_FILE,
@@ -64,6 +67,18 @@ def check_launch(config: Config, opts: LaunchOptions) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_this_machine(config: Config, opts: LaunchOptions) -> None:
+    """What only the machine that launches can tell, before the run folder is made: that its device runs
+    train.precision (fp8-mixed needs a GPU of compute capability 8.9 or newer). `check` leaves this out: it
+    also plans runs for other machines. The workers check again, each on its own device."""
+    here = DistEnv(0, 0, 1, opts.nproc(), "127.0.0.1", 0, "single")  # local rank 0 of this node's processes
+    try:
+        device = select_device(config.dist.device, here)
+    except RuntimeError:
+        return  # no such device here: every worker says so, with the fix
+    check_precision_supported(config.train.precision, device, config.float8)
+
+
 def resolve_all(config: Config, opts: LaunchOptions) -> list[Job]:
     """Check the launch flags and the data, and resolve the job at every world size this launch may run at
     (several when elastic)."""
@@ -82,6 +97,7 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = launch_options(args)
     jobs = resolve_all(load_config(args.config, overrides, args.target), opts)  # before anything is written
     config = jobs[0].config
+    check_this_machine(config, opts)
     run_id, out_dir = config.run.id, Path(config.run.out_dir)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
     if suffix and not run_id:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from support import nano_config, train_records
+from support import nano_config, refused_before_writing, train_records
 from trainmesh.cli import main
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig, Float8Config, ParallelConfig
@@ -44,7 +44,7 @@ def test_a_cpu_is_refused_before_the_model_is_built_with_the_fixes() -> None:
     with pytest.raises(ValueError) as refused:
         Runtime(precision="fp8-mixed", dist=CPU_ONLY)
     message = str(refused.value)
-    assert "compute capability 8.9 or newer" in message and "this rank's device is cpu" in message
+    assert "compute capability 8.9 or newer" in message and "the device here is cpu" in message
     assert "--train.precision=bf16-mixed" in message and "--float8.emulate=true" in message
     check_precision_supported("fp8-mixed", CPU, EMULATED)  # the emulation runs anywhere
 
@@ -56,7 +56,7 @@ def test_a_gpu_without_float8_tensor_cores_is_named_with_its_capability() -> Non
     assert "Fix: --train.precision=bf16-mixed" in message
     assert fp8_problem("fp8-mixed", "cuda", (8, 9), "NVIDIA L4") is None
     assert fp8_problem("fp8-mixed", "cuda", (9, 0), "NVIDIA H100 80GB HBM3") is None
-    assert "device is mps" in str(fp8_problem("fp8-mixed", "mps", None, ""))
+    assert "device here is mps" in str(fp8_problem("fp8-mixed", "mps", None, ""))
 
 
 def test_without_torchao_the_message_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,6 +116,16 @@ def test_check_accepts_fp8_mixed_anywhere_and_plan_refuses_it(capfd: pytest.Capt
     assert fp8[2] == "  (fp8-mixed predicted as bf16-mixed, which holds the same model states and activations)"
     assert main(["plan", "gpt", "--cluster", "h100", "--", "--train.precision=fp8-mixed"]) == 2
     assert "does not model train.precision='fp8-mixed'" in capfd.readouterr().err
+
+
+def test_run_refuses_fp8_mixed_on_a_cpu_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`trainmesh run` checks this machine's device (check does not: it plans for others) before the run folder."""
+    out = f"--run.out_dir={tmp_path / 'runs'}"
+    err = refused_before_writing(
+        tmp_path, capsys, "run", "gpt", "--nproc-per-node", "1", "--", out, "--train.precision=fp8-mixed"
+    )
+    assert "train.precision='fp8-mixed' computes in float8" in err and "the device here is cpu" in err
+    assert "Fix: run on such a GPU, or --train.precision=bf16-mixed, or --float8.emulate=true" in err
 
 
 def test_mfu_of_fp8_counts_against_the_fp8_peak(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,7 +134,7 @@ def fp8_problem(precision: str, device_type: str, capability: tuple[int, int] | 
         return (
             f"train.precision={precision!r} computes in float8 on NVIDIA tensor cores of compute capability "
             f"{_capability(FP8_MIN_CAPABILITY)} or newer (Ada, Hopper, Blackwell: L4, L40S, H100, H200, B200), but "
-            f"this rank's device is {device_type}. Fix: run on such a GPU, or {fix}."
+            f"the device here is {device_type}. Fix: run on such a GPU, or {fix}."
         )
     if capability is not None and capability < FP8_MIN_CAPABILITY:
         return (

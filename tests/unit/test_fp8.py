@@ -135,7 +135,9 @@ def test_mfu_of_fp8_counts_against_the_fp8_peak(monkeypatch: pytest.MonkeyPatch)
     assert peak is not None and peak.flops == 1979e12 and "attention and head in bf16" in peak.describe()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert mfu.device_peak(cuda, torch.float8_e4m3fn) is None  # no fp8 tensor cores: no fp8 peak
-    assert build_precision("fp8-mixed", CPU, EMULATED).compute_dtype == torch.float8_e4m3fn
+    fp8 = build_precision("fp8-mixed", CPU, EMULATED)
+    assert fp8.peak_dtype == torch.float8_e4m3fn  # MFU's peak
+    assert fp8.compute_dtype == torch.bfloat16  # what flows between layers: parity's nudges and floors
 
 
 # -- which layers are converted ---------------------------------------------------------------------------------

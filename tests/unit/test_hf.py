@@ -15,7 +15,7 @@ from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig
 from trainmesh.job import load_config
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
-from trainmesh.recipes.gpt.hf import from_hf_state, hf_config, split_heads, to_hf_state
+from trainmesh.recipes.gpt.hf import hf_config, split_heads, to_hf_state
 from trainmesh.recipes.gpt.hf_export import HFFormat
 from trainmesh.recipes.gpt.upgrade import fuse_heads
 from trainmesh.runtime.runtime import Runtime
@@ -109,8 +109,7 @@ def test_a_file_in_openais_naming_is_read_too(tmp_path: Path) -> None:
 def test_conversions_round_trip_exactly(tmp_path: Path) -> None:
     hf = save_gpt2(tmp_path / "gpt2")
     reference = hf.state_dict()
-    ours = GPT(GPTConfig(size="nano", block_size=128, vocab_size=256)).eval()
-    ours.load_state_dict(from_hf_state(reference, n_head=2), strict=True)
+    ours = gpt_from(tmp_path / "gpt2", "--model.block_size=128")  # through model.init_from, as a run reads it
     back = to_hf_state(ours.state_dict(), ours.cfg)
     assert sorted(back) == sorted(k for k in reference if k != "lm_head.weight")  # the tied head: not stored
     for name, tensor in back.items():
@@ -173,6 +172,9 @@ def test_the_resolved_config_states_the_folders_shape(tmp_path: Path, monkeypatc
         ("small", [], r"data.tokenizer='byte' has 256 tokens, more than model.vocab_size=100.*vocab_size=256"),
         ("relu", [], r"activation_function='relu'"),
         ("untied", [], r"tie_word_embeddings=False"),
+        ("list", [], r"config.json holds a JSON list, not a config object\. Fix: a folder saved by"),
+        ("no-positions", [], r"config.json has n_positions=None, not a positive whole number\. Fix"),
+        ("text-width", [], r"config.json has n_embd='abc', not a positive whole number\. Fix"),
     ],
 )
 def test_folders_trainmesh_cannot_take_are_refused_at_resolve(
@@ -191,6 +193,11 @@ def test_folders_trainmesh_cannot_take_are_refused_at_resolve(
         save_gpt2(folder, tie_word_embeddings=False)
     elif setup == "ok":
         save_gpt2(folder)
+    elif setup != "none":  # a config.json that is not one: each key read is checked, none gives a traceback
+        save_gpt2(folder)
+        config = json.loads((folder / "config.json").read_text())
+        broken = {"list": [config], "no-positions": {k: v for k, v in config.items() if k != "n_positions"}}
+        (folder / "config.json").write_text(json.dumps(broken.get(setup, config | {"n_embd": "abc"})))
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"--model.init_from={folder}", *overrides], "gpt")
 

@@ -62,4 +62,9 @@ class Precision(ABC):
     @property
     @abstractmethod
     def compute_dtype(self) -> torch.dtype:
-        """The dtype matrix multiplies run in (used for MFU peaks and reporting)."""
+        """The dtype activations and gradients are computed in (its rounding sets parity's tolerances)."""
+
+    @property
+    def peak_dtype(self) -> torch.dtype:
+        """The dtype whose tensor-core peak the matrix multiplies run at (MFU counts against it)."""
+        return self.compute_dtype

@@ -98,7 +98,11 @@ class Float8MixedPrecision(MixedPrecision):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
+        return torch.bfloat16  # what flows between layers: float8 is only inside the converted matmuls
+
+    @property
+    def peak_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn  # the converted linear layers' matmuls (attention and the head: bf16)
 
 
 def float8_linears(module: nn.Module) -> tuple[list[str], dict[str, str]]:

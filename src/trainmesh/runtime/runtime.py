@@ -193,6 +193,10 @@ class Runtime:
         return self.precision.compute_dtype
 
     @property
+    def peak_dtype(self) -> torch.dtype:
+        return self.precision.peak_dtype
+
+    @property
     def scales_loss(self) -> bool:
         """Whether the precision scales the loss (16-mixed): it then skips overflowing steps itself."""
         return self.precision.scales_loss

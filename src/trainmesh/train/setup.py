@@ -100,7 +100,7 @@ def set_up(
     )
     eval_ids = eval_micro_batches(n_val, config.train.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
     writer = runtime.on_main(lambda: MetricsWriter(run_dir))  # rank 0's; a failure to open it stops every rank
-    peak = device_peak(runtime.device, runtime.compute_dtype, runtime.tf32)
+    peak = device_peak(runtime.device, runtime.peak_dtype, runtime.tf32)
     if runtime.is_main_process:
         log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch, f"{n_params:,}")
         if peak:

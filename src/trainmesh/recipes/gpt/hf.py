@@ -1,6 +1,6 @@
 """The GPT recipe's model in Hugging Face's GPT-2 layout, and back: names, tensor layouts and config.json.
 
-Pure functions on tensors and dicts (no files): `to_hf_state`, `from_hf_state`, `hf_config` and the checks of
+Pure functions on tensors and dicts (no files): `to_hf_state`, `from_hf_tensor`, `hf_config` and the checks of
 a GPT-2 config.json that trainmesh can express (`hf_problems`). Name mapping, per block i:
 
     trainmesh                    GPT-2 (transformers.GPT2LMHeadModel)   layout
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from trainmesh.data.gpt2 import EOT  # GPT-2's <|endoftext|>: its bos and eos token
 from trainmesh.recipes.gpt.model import GPTConfig
 from trainmesh.recipes.gpt.upgrade import fuse_heads
 
 HF_PREFIX = "transformer."
-EOT = 50256  # GPT-2's <|endoftext|>: its bos and eos token
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 """GPT-2 activations equal to the GPT's F.gelu(approximate="tanh") (two implementations of one formula)."""
 
@@ -64,19 +64,6 @@ def hf_name(name: str) -> str:
     if m is None or module not in _TO_HF or kind not in ("weight", "bias"):
         raise KeyError(name)
     return f"{HF_PREFIX}h.{m['i']}.{_TO_HF[module][0]}.{kind}"
-
-
-def trainmesh_name(name: str) -> str:
-    """A trainmesh GPT parameter's name for a GPT-2 one, with or without the `transformer.` prefix (KeyError
-    for a name trainmesh has no place for)."""
-    bare = name.removeprefix(HF_PREFIX)
-    if bare in _TOP:
-        return bare
-    m = _HF_BLOCK.fullmatch(bare)
-    module, _, kind = m["rest"].rpartition(".") if m else ("", "", "")
-    if m is None or module not in _FROM_HF or kind not in ("weight", "bias"):
-        raise KeyError(name)
-    return f"blocks.{m['i']}.{_FROM_HF[module][0]}.{kind}"
 
 
 def split_heads(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -128,18 +115,6 @@ def to_hf_state(state: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, 
             out[hf_name(name)] = torch.zeros(weight.shape[0], dtype=weight.dtype)
             continue
         out[hf_name(name)] = to_hf_tensor(name, state[name].detach().cpu(), cfg.n_head)
-    return out
-
-
-def from_hf_state(state: Mapping[str, torch.Tensor], n_head: int) -> dict[str, torch.Tensor]:
-    """GPT-2's state dict (names with or without `transformer.`) -> a trainmesh GPT's, with the tied head under
-    both names (as `GPT.state_dict()` has them) so that `load_state_dict(strict=True)` takes it."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if HF_BUFFERS.fullmatch(name) or name == "lm_head.weight":  # masks; the head is tied to wte
-            continue
-        out[trainmesh_name(name)] = from_hf_tensor(name, tensor, n_head)
-    out["lm_head.weight"] = out["wte.weight"]
     return out
 
 

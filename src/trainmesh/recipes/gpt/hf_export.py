@@ -13,7 +13,6 @@ and writes the folder atomically; this module only says what goes in it.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 
 from trainmesh.checkpoint.export import ExportError, ExportUsageError, export_metadata
 from trainmesh.checkpoint.state import TrainerState
-from trainmesh.data.gpt2 import gpt2_vocab_files
+from trainmesh.data.gpt2 import gpt2_vocab
 from trainmesh.recipes.gpt.hf import hf_config, to_hf_state
 from trainmesh.recipes.gpt.hf_init import CONFIG, WEIGHTS
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -46,6 +45,8 @@ class HFFormat:
                 f"{recipe or 'unknown'} recipe. Fix: --format safetensors (the default: its weights under trainmesh's "
                 "names)."
             )
+        if _gpt2_tokens(state):
+            gpt2_vocab()  # its files are missing or not OpenAI's: refused before any weight is written
 
     def write(self, model_state: dict[str, torch.Tensor], state: TrainerState, folder: Path) -> int:
         cfg = saved_gpt_config(state.config.get("model", {}))
@@ -57,12 +58,17 @@ class HFFormat:
             raise ExportError(f"cannot export this checkpoint as GPT-2: {e}") from None
         save_file(tensors, str(folder / WEIGHTS), metadata=export_metadata(state))  # its format=pt: transformers'
         dtype = full["model"]["wte.weight"].dtype
-        data = state.config.get("data", {})
-        gpt2_tokens = isinstance(data, dict) and data.get("tokenizer") == "gpt2"
+        gpt2_tokens = _gpt2_tokens(state)
         _write_json(folder / CONFIG, hf_config(cfg, dtype, gpt2_tokens))
         if gpt2_tokens:
             write_gpt2_tokenizer(folder, cfg.block_size)
         return len(tensors)
+
+
+def _gpt2_tokens(state: TrainerState) -> bool:
+    """Whether the run trained on GPT-2's tokenizer (then the export carries it)."""
+    data = state.config.get("data", {})
+    return isinstance(data, dict) and data.get("tokenizer") == "gpt2"
 
 
 def saved_gpt_config(saved: Any) -> GPTConfig:
@@ -79,9 +85,9 @@ def saved_gpt_config(saved: Any) -> GPTConfig:
 def write_gpt2_tokenizer(folder: Path, block_size: int) -> None:
     """GPT-2's tokenizer files in Hugging Face's names: the byte-level BPE's vocabulary and merges are OpenAI's
     files as they are (the formats are the same; checked against their SHA-256 first), plus the special token."""
-    encoder_json, vocab_bpe = gpt2_vocab_files()
-    shutil.copyfile(encoder_json, folder / "vocab.json")
-    shutil.copyfile(vocab_bpe, folder / "merges.txt")
+    vocab = gpt2_vocab()
+    (folder / "vocab.json").write_bytes(vocab.encoder_json)
+    (folder / "merges.txt").write_bytes(vocab.vocab_bpe)
     _write_json(
         folder / "tokenizer_config.json",
         {

@@ -51,6 +51,7 @@ def complete_folder(model: GPTConfig) -> GPTConfig:
         config = json.loads((folder / CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{given}: cannot read {folder / CONFIG}: {e}") from None
+    from_file = _shape_of(config, folder / CONFIG, given)
     problems = hf_problems(config)
     if problems:
         raise ValueError(
@@ -59,7 +60,6 @@ def complete_folder(model: GPTConfig) -> GPTConfig:
         )
     if not model.bias:
         raise ValueError(f"model.bias=false, but the GPT-2 weights of {given} have biases. Fix: --model.bias=true.")
-    from_file = {key: int(config[key]) for key in (*_SHAPE, "vocab_size", "n_positions")}
     filled: dict[str, Any] = {"init_from": str(folder)}
     for key in (*_SHAPE, "vocab_size"):
         value = getattr(model, key)
@@ -86,6 +86,20 @@ def complete_folder(model: GPTConfig) -> GPTConfig:
     completed = replace(model, **filled)
     _check_tensors(folder, completed, from_file["vocab_size"], from_file["n_positions"], given)
     return completed
+
+
+def _shape_of(config: Any, path: Path, given: str) -> dict[str, int]:
+    """The model's shape in a config.json (ValueError naming the file and key when it is not one)."""
+    fix = "Fix: a folder saved by transformers' save_pretrained."
+    if not isinstance(config, dict):
+        raise ValueError(f"{given}: {path} holds a JSON {type(config).__name__}, not a config object. {fix}")
+    shape = {}
+    for key in (*_SHAPE, "vocab_size", "n_positions"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{given}: {path} has {key}={value!r}, not a positive whole number. {fix}")
+        shape[key] = value
+    return shape
 
 
 def _check_files(folder: Path, given: str) -> None:

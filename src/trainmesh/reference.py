@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import json
 import sys
 import textwrap
 from typing import Any
@@ -43,6 +44,8 @@ def _rows(cls: type[Any], prefix: str) -> list[str]:
             rows += _rows(type(value), f"{prefix}{f.name}.")
             continue
         shown = str(value).lower() if isinstance(value, bool) else "unset (auto)" if value is None else repr(value)
+        if isinstance(value, tuple):  # a list option, as it is written in TOML
+            shown = json.dumps(list(value))
         meaning = docs.get(f.name, "").replace("|", "\\|")  # a bare | would end the table cell
         rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
     return rows

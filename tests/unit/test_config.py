@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,3 +138,38 @@ def test_tri_state_options_are_true_false_or_unset() -> None:
         load_config(None, ["--optim.fused=maybe"], "gpt")
     digits, folder = load_config(None, [], "resnet").model, load_config(None, ["--model.hflip=true"], "resnet").model
     assert (digits.hflip, folder.hflip) == (False, True)  # type: ignore[attr-defined]  # unset: by the data
+
+
+def test_list_options_take_a_toml_array_or_a_comma_list(tmp_path: Path) -> None:
+    """log.sinks, the first list-valued option: TOML arrays in a file or a flag, and plain words on a flag."""
+    assert load_config(None, [], "gpt").log.sinks == ("tensorboard",)
+    assert load_config(None, ['--log.sinks=["tensorboard","wandb"]'], "gpt").log.sinks == ("tensorboard", "wandb")
+    assert load_config(None, ["--log.sinks=mlflow, wandb"], "gpt").log.sinks == ("mlflow", "wandb")
+    assert load_config(None, ["--log.sinks=[]"], "gpt").log.sinks == ()
+    assert load_config(None, ["--log.sinks="], "gpt").log.sinks == ()  # metrics.jsonl only
+    path = tmp_path / "c.toml"
+    path.write_text('[log]\nsinks = ["mlflow"]\ntags = ["baseline", "gpt 2"]\n')
+    config = load_config(path, [], "gpt")
+    assert config.log.sinks == ("mlflow",) and config.log.tags == ("baseline", "gpt 2")
+    assert tomllib.loads(dump_toml(config_to_dict(config)))["log"]["sinks"] == ["mlflow"]  # config.toml: an array
+    with pytest.raises(ConfigError, match=r"'log.tags\[1\]' expects a string, got \['b'\]"):
+        load_config(None, ['--log.tags=["a", ["b"]]'], "gpt")
+    with pytest.raises(ConfigError, match=r"'log.sinks' expects a list"):
+        load_config(None, ["--log.sinks=3"], "gpt")
+
+
+def test_an_unknown_sink_is_refused_with_the_allowed_ones_and_the_fix() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["--log.sinks=tensorboard,wandbb"], "gpt")
+    message = str(error.value)
+    assert (
+        "log.sinks=['tensorboard', 'wandbb'] names 'wandbb', which is not a metrics sink. Did you mean 'wandb'?"
+        in message
+    )
+    assert "Choose any of: tensorboard, wandb, mlflow" in message
+    assert """Fix: e.g. --log.sinks='["tensorboard","wandb"]'""" in message
+    assert "(set on the command line: --log.sinks=...)" in message
+    with pytest.raises(ConfigError, match="names a sink twice"):
+        load_config(None, ["--log.sinks=wandb,wandb"], "gpt")
+    with pytest.raises(ConfigError, match=r"log.tags: '-x' is not a tag"):
+        load_config(None, ["--log.tags=-x"], "gpt")

@@ -123,6 +123,13 @@ def _build(cls: type[Any], data: Any, prefix: str, given: dict[str, Any] | None 
 def _coerce(key: str, value: Any, kind: Any, optional: bool = False) -> Any:
     """Check `value` against the field's type; accept the few safe conversions CLI strings need."""
     origin = typing.get_origin(kind)
+    if origin is tuple:  # tuple[X, ...]: a TOML array; frozen sections hold tuples, not lists
+        item = typing.get_args(kind)[0]
+        if isinstance(value, str):  # --log.sinks=tensorboard,wandb (a bare word), or "" for the empty list
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+        raise ConfigError(f"config key '{key}' expects a list, e.g. --{key}='[\"a\",\"b\"]', got {value!r}")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(kind)
         unset = isinstance(value, str) and value.lower() in ("none", "auto")  # tri-state: unset means automatic

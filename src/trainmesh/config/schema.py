@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainmesh.config.log import LogConfig
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEBUG_LEVELS = ("off", "info", "detail")
@@ -401,4 +403,5 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

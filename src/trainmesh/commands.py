@@ -18,6 +18,7 @@ from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
+from trainmesh.metrics.trackers import check_installed
 from trainmesh.precision import check_precision_supported
 from trainmesh.recipes import get_recipe
 from trainmesh.rundir import (
@@ -59,8 +60,9 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 
 def check_launch(config: Config, opts: LaunchOptions) -> None:
-    """Check the launch flags and the data (before anything is started or written)."""
+    """Check the launch flags, the trackers' packages and the data (before anything is started or written)."""
     opts.check()
+    check_installed(config.log)
     try:
         get_recipe(config.run.recipe).check_data(config)
     except ValueError as e:

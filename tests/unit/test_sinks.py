@@ -1,13 +1,17 @@
-"""Rank 0's metrics files: every record in metrics.jsonl, and its numbers as TensorBoard scalars."""
+"""Rank 0's metrics sinks: every record in metrics.jsonl, its numbers as TensorBoard scalars, and trackers that fail
+without failing the run."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, read_metrics
+from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, Outcome, Sink, Tracker, read_metrics
 
 
 def test_records_reach_metrics_jsonl_and_tensorboard(tmp_path: Path) -> None:
@@ -24,3 +28,73 @@ def test_records_reach_metrics_jsonl_and_tensorboard(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 4.0), (2, 3.0), (3, 2.0)]
     assert [(e.step, e.value) for e in events.Scalars("val/val_loss")] == [(3, 1.5)]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+class Recorder:
+    """A tracker-like sink that keeps what it gets; `fail_at`: the step whose write raises."""
+
+    name = "recorder"
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.steps: list[int] = []
+        self.outcome = ""
+        self.fail_at = fail_at
+
+    def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:
+        if step == self.fail_at:
+            raise ConnectionError("the tracker server went away\nsecond line")
+        self.steps.append(step)
+
+    def close(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+
+
+@pytest.fixture
+def caplog(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    """The trainmesh logger's records too, also after a CLI test in this process set it not to propagate."""
+    monkeypatch.setattr(logging.getLogger("trainmesh"), "propagate", True)
+    return caplog
+
+
+def _write_steps(writer: MetricsWriter, steps: range) -> None:
+    for step in steps:
+        writer.write(step, {"loss": float(step)})
+
+
+def test_a_tracker_that_fails_mid_run_costs_one_warning_and_the_other_sinks_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    failing, healthy = Recorder(fail_at=3), Recorder()
+    writer = MetricsWriter(
+        tmp_path, tensorboard=False, trackers=[Tracker("bad", lambda: failing), Tracker("ok", lambda: healthy)]
+    )
+    _write_steps(writer, range(1, 7))
+    writer.close("stopped")
+    assert failing.steps == [1, 2] and failing.outcome == ""  # dropped at step 3: never written to or closed again
+    assert healthy.steps == [1, 2, 3, 4, 5, 6] and healthy.outcome == "stopped"
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the recorder tracker failed and receives no further metrics" in warnings[0]
+    assert "ConnectionError: the tracker server went away" in warnings[0] and "second line" not in warnings[0]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_a_tracker_that_fails_to_start_costs_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse() -> Sink:
+        raise RuntimeError("no API key configured")
+
+    writer = MetricsWriter(tmp_path, trackers=[Tracker("wandb", refuse)])
+    _write_steps(writer, range(1, 4))
+    writer.close()
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("the wandb tracker did not start") and "no API key configured" in warning
+    assert str(tmp_path / METRICS_FILE) in warning  # where the metrics are instead
+
+
+def test_closing_twice_closes_once(tmp_path: Path) -> None:
+    sink = Recorder()
+    writer = MetricsWriter(tmp_path, tensorboard=False, trackers=[Tracker("r", lambda: sink)])
+    writer.close("failed")
+    writer.close("finished")  # the loop's own close after train()'s failure path: nothing more happens
+    assert sink.outcome == "failed"

@@ -184,7 +184,8 @@ class Point:
 
 def timing_overrides(steps: int, warmup: int) -> list[str]:
     """Keys every point sets: exactly warmup + steps steps, a record per step, nothing else inside the timed
-    steps (no evaluation between steps, no checkpoint, no sample at the end), no progress bar."""
+    steps (no evaluation between steps, no checkpoint, no sample at the end), no progress bar, no experiment tracker
+    (a measurement is not an experiment, and a tracker's threads and processes would take CPU from the steps)."""
     return [
         f"--train.max_steps={warmup + steps}",
         "--run.log_every=1",
@@ -194,6 +195,7 @@ def timing_overrides(steps: int, warmup: int) -> list[str]:
         "--checkpoint.resume=false",
         "--sample.max_new_tokens=0",
         "--run.progress=false",
+        '--log.sinks=["tensorboard"]',
     ]
 
 

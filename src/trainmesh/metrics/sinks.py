@@ -1,10 +1,14 @@
-"""Where metrics go: metrics.jsonl and TensorBoard during the run, a loss-curve PNG at the end.
+"""Where metrics go: metrics.jsonl (always), TensorBoard and experiment trackers during the run, a loss-curve PNG
+at the end.
 
-Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory. Records are written
-by a background thread: serialising TensorBoard events costs rank 0 about half a millisecond per
-record, and every other rank would wait for it at the next collective. Files are made through
-core/files.py: a symlink planted at `metrics.jsonl` or `loss.png` is refused or replaced, never
-written through.
+Every destination is a `Sink`. Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory.
+Records are handed to background threads: serialising TensorBoard events costs rank 0 about half a millisecond
+per record, a tracker may wait on the network, and every other rank would wait for rank 0 at the next
+collective. The run's own files (metrics.jsonl, which trainmesh's tools read, and TensorBoard) have one thread;
+the trackers (trackers.py) another, so that a slow or unreachable tracker server never delays the files. A
+file that cannot be written loses records with one error; a tracker that cannot start or fails mid-run is
+dropped with one warning. Files are made through core/files.py: a symlink planted at `metrics.jsonl` or
+`loss.png` is refused or replaced, never written through.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import json
 import math
 import queue
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from trainmesh.core.files import make_dirs, open_file, write_atomically
 from trainmesh.core.logging import get_logger
@@ -25,68 +31,183 @@ log = get_logger(__name__)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
+Outcome = Literal["finished", "stopped", "failed"]
+"""How a run ended: trained to the end | stopped by SIGTERM or Ctrl-C (to be resumed) | an error."""
+
+
+class Sink(Protocol):
+    """One destination of the metrics records (called from one background thread only)."""
+
+    name: str
+
+    def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:
+        """One record: the metrics of optimizer step `step`, of `kind` train or val."""
+
+    def close(self, outcome: Outcome) -> None:
+        """Write what is buffered and end (a tracker marks its run finished, stopped or failed)."""
+
+
+@dataclass(frozen=True)
+class Tracker:
+    """A sink started in the background (it may wait on the network): `start()` returns it or raises."""
+
+    name: str
+    start: Callable[[], Sink]
+
+
+def scalars(metrics: Mapping[str, Any], kind: str) -> dict[str, float]:
+    """A record's finite numbers, named `<kind>/<key>` (train/loss, val/val_loss) as in TensorBoard and trackers."""
+    return {
+        f"{kind}/{key}": float(value)
+        for key, value in metrics.items()
+        if isinstance(value, (int, float)) and math.isfinite(value)
+    }
+
+
+class JsonlSink:
+    """metrics.jsonl: one JSON object per record, `{"kind": ..., "step": ..., **metrics}`, flushed at once."""
+
+    name = "metrics.jsonl"
+
+    def __init__(self, path: Path) -> None:
+        self._file = open_file(path, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:
+        self._file.write(json.dumps({"kind": kind, "step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def close(self, outcome: Outcome) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """<run>/tensorboard/: a record's numbers as one event of scalars `<kind>/<key>`. One event per record, not one
+    per scalar (SummaryWriter.add_scalar's way), costs a ninth of the CPU time (about 0.1 ms for 17 scalars here),
+    which the training process's other thread would otherwise take from the step."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.writer import FileWriter
+
+        self._summary, self._value = Summary, Summary.Value
+        self._writer = FileWriter(str(make_dirs(run_dir, "tensorboard")))
+
+    def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:
+        values = [self._value(tag=tag, simple_value=value) for tag, value in scalars(metrics, kind).items()]
+        self._writer.add_summary(self._summary(value=values), step)
+
+    def close(self, outcome: Outcome) -> None:
+        self._writer.close()
+
+
+class _Feeder:
+    """Sinks fed in order from a queue by one daemon thread. Files (no `trackers`): a record that a file cannot
+    take is lost, with one error for the run. Trackers: each is started in the thread, and one that fails to
+    start or to write is dropped with one warning."""
+
+    def __init__(self, name: str, files: Sequence[Sink], trackers: Sequence[Tracker], where: str) -> None:
+        self.sinks, self.where, self.tracking = list(files), where, bool(trackers)
+        self.names = [s.name for s in files] + [t.name for t in trackers]
+        self.lost = 0  # records a file could not take
+        self._outcome: Outcome = "finished"
+        self._queue: queue.SimpleQueue[tuple[int, dict[str, float], str] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, args=(trackers,), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, step: int, metrics: dict[str, float], kind: str) -> None:
+        self._queue.put((step, metrics, kind))
+
+    def close(self, outcome: Outcome, patience_s: float = 0.0) -> None:
+        """Write everything queued, close the sinks; wait for the thread (saying so after `patience_s`)."""
+        self._outcome = outcome
+        self._queue.put(None)
+        if patience_s:
+            self._thread.join(patience_s)
+            if self._thread.is_alive():
+                log.info("waiting for %s to finish sending the metrics", " and ".join(self.names))
+        self._thread.join()
+
+    def _drain(self, trackers: Sequence[Tracker]) -> None:
+        for tracker in trackers:
+            try:
+                self.sinks.append(tracker.start())
+            except Exception as e:  # not installed, a bad URI, no network, no login: the run goes on without it
+                self._warn(tracker.name, "did not start, so it receives no metrics of this run", e)
+        while (record := self._queue.get()) is not None:
+            for sink in list(self.sinks):
+                try:
+                    sink.write(*record)
+                except Exception as e:  # a full disk or a dead tracker must not kill training; say so, once
+                    if self.tracking:
+                        self.sinks.remove(sink)
+                        self._warn(sink.name, "failed and receives no further metrics of this run", e)
+                        continue
+                    self.lost += 1
+                    if self.lost == 1:
+                        log.error("could not write a metrics record to %s: %s (training goes on)", self.where, e)
+                    break  # the record is lost either way
+        for sink in self.sinks:
+            try:
+                sink.close(self._outcome)
+            except Exception as e:
+                log.warning("could not close the %s metrics sink: %s: %s", sink.name, type(e).__name__, _first_line(e))
+
+    def _warn(self, tracker: str, what: str, error: Exception) -> None:
+        log.warning(
+            "the %s tracker %s (training goes on; the metrics are in %s): %s: %s",
+            tracker,
+            what,
+            self.where,
+            type(error).__name__,
+            _first_line(error),
+        )
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else ""
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    """Rank 0's metrics: metrics.jsonl always, TensorBoard unless `tensorboard=False`, and `trackers` (wandb, mlflow:
+    trackers.py), each written from a background thread. `write` returns at once."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, trackers: Sequence[Tracker] = ()) -> None:
         self.run_dir = run_dir
-        self._jsonl = open_file(run_dir / METRICS_FILE, "a", encoding="utf-8")
-        self._tb: Any = None
+        files: list[Sink] = [JsonlSink(run_dir / METRICS_FILE)]  # its failure to open stops the run (setup.py)
         if tensorboard:
             try:
-                from torch.utils.tensorboard.writer import FileWriter
-
-                self._tb = FileWriter(str(make_dirs(run_dir, "tensorboard")))
+                files.append(TensorBoardSink(run_dir))
             except ImportError:  # tensorboard is a declared dependency; keep training if it was removed
                 log.warning("tensorboard is not installed; metrics go to %s only", METRICS_FILE)
-        self._lost = 0  # records that could not be written
-        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._drain, name="trainmesh-metrics", daemon=True)
-        self._thread.start()
+        where = str(run_dir / METRICS_FILE)
+        self._files = _Feeder("trainmesh-metrics", files, (), where)
+        self._trackers = _Feeder("trainmesh-trackers", (), trackers, where) if trackers else None
+        self._closed = False
 
     def write(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         """Queue one record (returns at once)."""
-        self._queue.put({"kind": kind, "step": step, **metrics})
+        self._files.put(step, metrics, kind)
+        if self._trackers is not None:
+            self._trackers.put(step, metrics, kind)
 
-    def close(self) -> None:
-        """Write everything queued, close the files and draw the loss curve."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._lost:
-            log.error("%d metrics record(s) could not be written to %s", self._lost, self.run_dir)
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Write everything queued, close the files, draw the loss curve, and end the trackers' runs (as finished,
+        stopped or failed). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._files.close(outcome)
+        if self._files.lost:
+            log.error("%d metrics record(s) could not be written to %s", self._files.lost, self.run_dir)
         try:
-            self._jsonl.close()
-            if self._tb is not None:
-                self._tb.close()
             plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
         except OSError as e:
             log.error("could not finish the metrics files in %s: %s", self.run_dir, e)
-
-    def _drain(self) -> None:
-        while (record := self._queue.get()) is not None:
-            try:
-                self._jsonl.write(json.dumps(record) + "\n")
-                self._jsonl.flush()
-                if self._tb is not None:
-                    self._tb.add_summary(_summary(record), record["step"])
-            except Exception as e:  # a full disk must not kill training; say so, once
-                self._lost += 1
-                if self._lost == 1:
-                    log.error("could not write a metrics record to %s: %s (training goes on)", self.run_dir, e)
-
-
-def _summary(record: dict[str, Any]) -> Any:
-    """A record's numbers as one TensorBoard event of scalars `<kind>/<key>`: one event per record, not one
-    per scalar (SummaryWriter.add_scalar's way), costs a ninth of the CPU time (about 0.1 ms for 17 scalars
-    here), which the training process's other thread would otherwise take from the step."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    kind = record["kind"]
-    values = [
-        Summary.Value(tag=f"{kind}/{key}", simple_value=float(value))
-        for key, value in record.items()
-        if key not in ("kind", "step") and isinstance(value, (int, float)) and math.isfinite(value)
-    ]
-    return Summary(value=values)
+        if self._trackers is not None:  # last: a tracker may take a while to upload what it buffered
+            self._trackers.close(outcome, patience_s=5.0)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -50,7 +50,8 @@ DEFAULT_STEPS = 5
 
 
 def parity_overrides(steps: int) -> list[str]:
-    """What every side of a parity check runs: `steps` steps, a record per step, nothing else between them."""
+    """What every side of a parity check runs: `steps` steps, a record per step, nothing else between them (and
+    no experiment tracker: a check is not an experiment)."""
     return [
         f"--train.max_steps={steps}",
         "--train.eval_every=0",
@@ -61,6 +62,7 @@ def parity_overrides(steps: int) -> list[str]:
         "--run.log_every=1",
         "--run.progress=false",
         "--profile.enabled=false",
+        '--log.sinks=["tensorboard"]',
     ]
 
 

@@ -88,9 +88,14 @@ def train(
     hooks = hooks or RunHooks()
     with StepProfiler(config.profile, run_dir, runtime.rank, runtime.device) as profiler:
         session = set_up(config, plan, recipe, runtime, run_dir, hooks.faults)
-        with Monitor(runtime.device) as monitor:  # host and device figures for the metrics, off this thread
-            window = MetricsWindow(plan, runtime, session.flops_per_token, session.peak, profiler.clock, monitor)
-            return _run(config, plan, recipe, runtime, session, hooks, profiler, window)
+        try:
+            with Monitor(runtime.device) as monitor:  # host and device figures for the metrics, off this thread
+                window = MetricsWindow(plan, runtime, session.flops_per_token, session.peak, profiler.clock, monitor)
+                return _run(config, plan, recipe, runtime, session, hooks, profiler, window)
+        except BaseException as e:  # the records so far are written, and a tracker shows the run as failed
+            if session.writer:
+                session.writer.close("failed" if isinstance(e, Exception) else "stopped")
+            raise
 
 
 def _run(
@@ -197,7 +202,7 @@ def _run(
             log.info("no sample: under pipeline parallelism no rank holds the whole model (export the checkpoint)")
     s.checkpointer.close()  # an async save in flight is committed, and durable, before we return
     if s.writer:
-        s.writer.close()
+        s.writer.close("stopped" if preempted else "finished")
     # The raw model, not the DDP wrapper: a wrapper kept past teardown can hang the exit (see dist.teardown).
     exit_code = PreemptionWatch.exit_code(stop) if preempted else 0
     return TrainResult(

@@ -26,6 +26,7 @@ from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro
 from trainmesh.faults import FaultPlan
 from trainmesh.metrics.mfu import Peak, device_peak
 from trainmesh.metrics.sinks import MetricsWriter
+from trainmesh.metrics.trackers import trackers
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.base import Objective
@@ -99,7 +100,7 @@ def set_up(
         generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
     eval_ids = eval_micro_batches(n_val, config.train.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
-    writer = runtime.on_main(lambda: MetricsWriter(run_dir))  # rank 0's; a failure to open it stops every rank
+    writer = runtime.on_main(lambda: _metrics_writer(config, run_dir, resumed=state.step > 0))  # rank 0's
     peak = device_peak(runtime.device, runtime.peak_dtype, runtime.tf32)
     if runtime.is_main_process:
         log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch, f"{n_params:,}")
@@ -115,6 +116,15 @@ def set_up(
         model, raw_model, optimizer, objective, state, state.step, sampler, loader, val_set, eval_ids, checkpointer,
         writer, flops_per_token, peak,
     )  # fmt: skip
+
+
+def _metrics_writer(config: Config, run_dir: Path, resumed: bool) -> MetricsWriter:
+    """Rank 0's metrics sinks (log.sinks). A file that cannot be opened stops every rank (Runtime.on_main); a
+    tracker starts in the background and costs a warning if it fails. A run resumed from a checkpoint continues
+    its tracker runs; one from step 0 starts new ones."""
+    run_id = config.run.id or run_dir.name
+    started = trackers(config.log, run_dir, run_id, config_to_dict(config), resumed)
+    return MetricsWriter(run_dir, tensorboard="tensorboard" in config.log.sinks, trackers=started)
 
 
 def _start_state(

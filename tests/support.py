@@ -197,6 +197,14 @@ def assert_config_recorded(run_dir: Path, since_step: int = 0) -> int:
     return len(states)
 
 
+def rank_output(log_dir: Path, rank: int, stream: str = "stderr") -> str:
+    """What `rank` wrote to `stream` in the last attempt of the newest launch that kept its logs in `log_dir`
+    (`<run>/logs` unless --log-dir said otherwise)."""
+    launch = max(log_dir.iterdir(), key=lambda p: p.stat().st_mtime)
+    attempt = max(launch.glob("attempt_*"), key=lambda p: int(p.name.removeprefix("attempt_")))
+    return (attempt / f"rank_{rank}" / f"{stream}.log").read_text()
+
+
 def _without_none(data: dict[str, Any]) -> dict[str, Any]:
     """As config.toml holds it: TOML has no null, so unset options are left out."""
     return {k: _without_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -16,6 +17,8 @@ from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, list_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv
+from trainmesh.core.files import make_dirs
+from trainmesh.core.rank_logs import LOGS_DIR, NO_LOG_DIR, LogSettings
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.metrics.trackers import check_installed
@@ -56,6 +59,7 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
         join_timeout_s=args.join_timeout,
         rdzv_conf=args.rdzv_conf,
         standalone=args.standalone,
+        logs=LogSettings(args.log_dir, args.redirects, args.tee, args.local_ranks_filter),
     )
 
 
@@ -90,8 +94,12 @@ def resolve_all(config: Config, opts: LaunchOptions) -> list[Job]:
 
 
 def run_script(args: argparse.Namespace) -> int:
-    """`trainmesh run train.py ...`: the script and its arguments on every rank."""
-    return launch(launch_options(args), [args.target, *args.rest], module=False)
+    """`trainmesh run train.py ...`: the script and its arguments on every rank; its ranks' output goes to the
+    console, as under plain torchrun, or with --log-dir into files (a script has no run folder to keep them in)."""
+    opts = launch_options(args)
+    if opts.logs.log_dir is None:
+        opts = dataclasses.replace(opts, logs=dataclasses.replace(opts.logs, log_dir=NO_LOG_DIR))
+    return launch(opts, [args.target, *args.rest], module=False)
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -137,6 +145,9 @@ def launch_into(opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, l
                 f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
             )
         config_path = _write_or_match_config(run_dir, job, joined=lock.joined)
+        if opts.logs.log_dir is None:  # every rank's output, kept in the run folder (a real folder inside it)
+            logs_dir = str(make_dirs(run_dir, LOGS_DIR))
+            opts = dataclasses.replace(opts, logs=dataclasses.replace(opts.logs, log_dir=logs_dir))
         for each in jobs:
             log.info("world size %d: %s", each.world_size, each.batch.describe())
         entry = ["trainmesh", job.config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]

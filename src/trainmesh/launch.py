@@ -2,8 +2,9 @@
 
 We never manage processes ourselves: torch.distributed.run starts one worker per rank, watches them,
 restarts the group up to `--max-restarts` times, and reports the failed rank. What we add are
-defaults: a free port on loopback for single-node runs, `auto` process counts, and a config that has
-been validated for the planned world size before any process starts.
+defaults: a free port on loopback for single-node runs, `auto` process counts, every rank's output kept in
+the run folder (core/rank_logs.py), and a config that has been validated for the planned world size before
+any process starts.
 """
 
 from __future__ import annotations
@@ -13,21 +14,25 @@ import dataclasses
 import os
 import signal
 import socket
+import textwrap
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from torch.distributed import DistError
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import elastic_launch
 
 from trainmesh.core.dist import is_loopback, loopback_store
 from trainmesh.core.env import free_port
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import get_logger
+from trainmesh.core.rank_logs import NO_LOG_DIR, PREFIX, STDERR, LogSettings, RankLogs, claim_launch_folder, tail
 
 log = get_logger(__name__)
 
@@ -62,6 +67,8 @@ class LaunchOptions:
     """More c10d rendezvous settings, KEY=VALUE[,KEY=VALUE] (torchrun's --rdzv-conf), e.g. last_call_timeout=5."""
     standalone: bool = False
     """torchrun's --standalone: one node meeting on loopback at a free port (trainmesh's default anyway)."""
+    logs: LogSettings = field(default_factory=LogSettings)
+    """Where each rank's stdout and stderr go (--log-dir, --redirects, --tee, --local-ranks-filter)."""
 
     def nproc(self) -> int:
         if self.nproc_per_node == "auto":
@@ -111,6 +118,10 @@ class LaunchOptions:
             )
         if self.join_timeout_s < 1:
             raise LaunchError(f"--join-timeout={self.join_timeout_s}: must be at least 1 (seconds)")
+        try:
+            self.logs.check(self.nproc())
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():
@@ -147,10 +158,17 @@ class LaunchOptions:
         return self.rdzv_id or "tm-" + self.rdzv_endpoint.replace(".", "-").replace(":", "-")
 
 
-def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool) -> list[str]:
-    """The torchrun command line for `entry` (a module and its args when `module`, else a script)."""
+def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool, log_folder: Path | None = None) -> list[str]:
+    """The torchrun command line for `entry` (a module and its args when `module`, else a script); `log_folder`:
+    this launch's folder of per-rank logs (launch() claims it when opts.logs keeps them)."""
     opts.check()
     argv = [f"--nproc-per-node={opts.nproc()}", f"--nnodes={opts.nnodes}", f"--max-restarts={opts.max_restarts}"]
+    given = opts.logs if log_folder else dataclasses.replace(opts.logs, log_dir=NO_LOG_DIR)  # no folder: torchrun's
+    redirects, tee, shown = given.torchrun_flags()
+    argv += [f"--log-dir={log_folder}"] if log_folder else []
+    argv += [f"--redirects={redirects}"] if redirects != "0" else []
+    argv += [f"--tee={tee}"] if tee != "0" else []
+    argv += [f"--local-ranks-filter={shown}"] if shown else []
     if opts.rdzv_endpoint:
         argv += [
             "--rdzv-backend=c10d",
@@ -210,11 +228,19 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
                 "--master-port out to get a free one."
             ) from None
         opts = dataclasses.replace(opts, master_addr="127.0.0.1", master_port=store.port)
-    argv = torchrun_argv(opts, entry, module)
+    logs = _claim_logs(opts)
+    argv = torchrun_argv(opts, entry, module, logs.folder if logs else None)
     log.info("torchrun %s", " ".join(argv))
+    if logs:
+        shown = opts.logs.torchrun_flags()[2]
+        log.info(
+            "each rank's stdout and stderr: %s/attempt_<n>/rank_<r>/ (on the console: %s)",
+            logs.folder,
+            f"local rank {shown}" if shown else "every rank",
+        )
     try:
         with _agent_environment(opts):
-            torchrun.run(torchrun.parse_args(argv))
+            _run_agent(argv, logs)
     except (DistError, RendezvousError) as e:  # the nodes could not meet: say what to check
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
@@ -231,18 +257,64 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
         log.error("stopped by %s", signal.Signals(e.sigval).name)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        first_rank, first = e.get_first_failure()  # by time: the root cause; the others often follow from it
-        log.error("rank %d failed first: %s", first_rank, _describe(first.exitcode, first.signal_name()))
-        message: object = first.message  # the error file's text, or its nested {"message": ...} record
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        if message and first.exitcode != EXIT_USER_ERROR:  # a user error's message is in the rank's log above
-            log.error("rank %d error: %s", first_rank, message)
-        for rank, failure in sorted(e.failures.items()):
-            if rank != first_rank:
-                log.error("rank %d then: %s", rank, _describe(failure.exitcode, failure.signal_name()))
-        return EXIT_USER_ERROR if first.exitcode == EXIT_USER_ERROR else 1
+        return _report_failure(e, logs)
     return 0
+
+
+def _claim_logs(opts: LaunchOptions) -> RankLogs | None:
+    """This launch's per-rank log files (a new folder under --log-dir), or None when they are not kept (or no
+    folder was named: launch_into names <run>/logs)."""
+    if not opts.logs.kept or opts.logs.log_dir is None:
+        return None
+    try:
+        folder = claim_launch_folder(Path(opts.logs.log_dir), opts.multi_node)
+    except OSError as e:
+        raise LaunchError(
+            f"--log-dir={opts.logs.log_dir}: cannot create this launch's log folder there: {e.strerror or e}. Fix: a "
+            "folder you can write to, or --log-dir none to keep no log files."
+        ) from None
+    return opts.logs.specs(folder)
+
+
+def _run_agent(argv: list[str], logs: RankLogs | None) -> None:
+    """torchrun's `run(parse_args(argv))`, with the layout of core/rank_logs.py when the logs are kept."""
+    args = torchrun.parse_args(argv)
+    if logs is None:
+        torchrun.run(args)
+        return
+    # Before building the launch config, run() fills in --standalone and a static rendezvous without a port;
+    # neither occurs here: torchrun_argv always names the master port or the c10d endpoint.
+    assert not args.standalone and (args.rdzv_endpoint or args.master_port is not None), argv
+    config, entrypoint, entry_args = torchrun.config_from_args(args)
+    config.logs_specs = logs
+    if config.log_line_prefix_template is None:  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, if set, wins
+        config.log_line_prefix_template = PREFIX
+    elastic_launch(config, entrypoint)(*entry_args)
+
+
+def _report_failure(error: ChildFailedError, logs: RankLogs | None) -> int:
+    """Name the rank that failed first (by time: the root cause; the others often follow from it), its error and
+    its log file, then the ranks that followed; the exit code for the CLI."""
+    first_rank, first = error.get_first_failure()
+    log.error("rank %d failed first: %s%s", first_rank, _describe(first.exitcode, first.signal_name()), _log_of(first))
+    message: object = first.message  # the error file's text, or its nested {"message": ...} record
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if message and first.exitcode != EXIT_USER_ERROR:  # a user error's message is in the rank's log
+        log.error("rank %d error: %s", first_rank, message)
+    stderr = Path(first.error_file).parent / STDERR
+    if logs is not None and not logs.shown(first.local_rank) and stderr.is_file():  # the console did not show it
+        log.error("the end of rank %d's %s:\n%s", first_rank, stderr, textwrap.indent(tail(stderr), "  | "))
+    for rank, failure in sorted(error.failures.items()):
+        if rank != first_rank:
+            log.error("rank %d then: %s%s", rank, _describe(failure.exitcode, failure.signal_name()), _log_of(failure))
+    return EXIT_USER_ERROR if first.exitcode == EXIT_USER_ERROR else 1
+
+
+def _log_of(failure: ProcessFailure) -> str:
+    """The text that names a failed rank's stderr file, when it was kept (next to the rank's error file)."""
+    stderr = Path(failure.error_file).parent / STDERR
+    return f"; its output: {stderr}" if failure.error_file and stderr.is_file() else ""
 
 
 # With the c10d rendezvous, torch's agents by default share their store with the workers. Then a node

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import assert_config_recorded, nano_toml, train_rank
+from support import assert_config_recorded, nano_toml, rank_output, train_rank
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.cli import main
 from trainmesh.core.env import free_port
@@ -134,6 +135,11 @@ def test_two_simulated_nodes_match_one_node(tmp_path: Path) -> None:
     _run_together([agent, agent], [ENV, ENV], tmp_path)
     losses = [[r.get("loss", r.get("val_loss")) for r in _records(tmp_path / "runs" / n)] for n in ("one", "two")]
     assert losses[0] == losses[1]
+    # Each node keeps its own ranks' logs, in a folder of its own (named by its host: here the same, then -2).
+    nodes = sorted((tmp_path / "runs" / "two" / "logs").iterdir())
+    assert len(nodes) == 2 and all(f"-{socket.gethostname()}" in node.name for node in nodes)
+    ranks = sorted(sorted({p.name for p in node.glob("attempt_*/rank_*")}) for node in nodes)  # one rank a node
+    assert ranks == [["rank_0"], ["rank_1"]], ranks
 
 
 def test_script_mode_runs_any_torchrun_script(tmp_path: Path) -> None:
@@ -157,10 +163,13 @@ def test_config_errors_stop_before_any_process_starts(
 def test_a_rank_that_fails_on_bad_input_says_what_to_fix_without_a_traceback(tmp_path: Path) -> None:
     """A shard folder without shards exists (so the launcher lets it through) but cannot be read."""
     (tmp_path / "shards").mkdir()
-    result = _run_gpt(tmp_path, "--", f"--data.source={tmp_path / 'shards'}")
+    result = _run_gpt(tmp_path, "--run-id", "bad-data", "--", f"--data.source={tmp_path / 'shards'}")
     assert result.returncode == 2
-    said = re.findall(r"\[rank(\d)\] ERROR data.source='[^']*shards': a shard folder needs", result.stderr)
-    assert sorted(said) == ["0", "1"], result.stderr[-3000:]  # rank 1 learns it from rank 0, which prepares the data
+    said = r"\[rank{}\] ERROR data.source='[^']*shards': a shard folder needs"
+    assert re.search(said.format(0), result.stderr), result.stderr[-3000:]
+    # Rank 1 learns it from rank 0, which prepares the data, and says it too: in its log file (the console shows
+    # local rank 0; the launcher shows the end of a failed rank's file when that rank failed first).
+    assert re.search(said.format(1), rank_output(tmp_path / "runs" / "bad-data" / "logs", 1))
     assert "Fix: --data.source=" in result.stderr and "Traceback" not in result.stderr
     assert re.search(r"rank \d failed first: exit code 2: a problem with the config, the inputs", result.stderr)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import nano_toml, train_rank
+from support import nano_toml, rank_output, train_rank
 from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state, verify
 from trainmesh.testing import run_distributed
 
@@ -178,7 +178,9 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
     if sig == signal.SIGINT:  # while here: a resume with another model is refused, plainly, on every rank
         other = _train(root, name, "--resume", restarts=0, overrides=[*STOP, "--model.n_layer=3"])
         assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
-        assert len(re.findall(r"holds a different model; nothing was loaded", other.stderr)) == 2  # one per rank
+        refused = "holds a different model; nothing was loaded"  # said by every rank, rank 1 in its log file
+        assert refused in other.stderr, other.stderr[-3000:]
+        assert refused in rank_output(root / "runs" / name / "logs", 1)
     resumed = _train(root, name, "--resume", restarts=0, overrides=STOP)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {stopped}" in resumed.stderr
@@ -246,7 +248,8 @@ def test_a_really_full_disk_says_where_and_how_much_and_keeps_the_previous_check
     disk = tmp_path / "disk"
     disk.mkdir()
     trainmesh = str(BIN / "trainmesh")
-    run = [*_command(tmp_path, "full", restarts=0, overrides=["--train.max_steps=8", "--checkpoint.every=1"])]
+    logs = ["--log-dir", str(tmp_path / "logs")]  # off the small disk, which is gone when its namespace ends
+    run = [*_command(tmp_path, "full", *logs, restarts=0, overrides=["--train.max_steps=8", "--checkpoint.every=1"])]
     run += [f"--run.out_dir={disk}"]
     script = (
         f"mount -t tmpfs -o size=1200k tmpfs {shlex.quote(str(disk))} || exit 99; {shlex.join(run)}; echo RUN_EXIT=$?; "
@@ -262,7 +265,8 @@ def test_a_really_full_disk_says_where_and_how_much_and_keeps_the_previous_check
         check=False,
     )
     assert "RUN_EXIT=2" in result.stdout, result.stdout + result.stderr[-3000:]
-    found = re.findall(r"\[rank(\d)\] ERROR saving checkpoint \S+ failed on rank\(s\) \[[\d, ]+\]: (.*)", result.stderr)
+    said = r"\[rank(\d)\] ERROR saving checkpoint \S+ failed on rank\(s\) \[[\d, ]+\]: (.*)"
+    found = re.findall(said, result.stderr) + re.findall(said, rank_output(tmp_path / "logs", 1))  # rank 1: in its log
     assert sorted(rank for rank, _ in found) == ["0", "1"], result.stderr[-3000:]
     message = found[0][1]
     assert re.search(r"No space left on device writing \S*full/checkpoints/\.step_\d+\.tmp", message), message
@@ -301,9 +305,10 @@ def test_a_full_disk_during_an_async_save_fails_every_rank_alike_and_keeps_the_p
     result = _train(root, name, fault="rank=1,step=4,kind=diskfull,phase=checkpoint", overrides=overrides, restarts=0)
     assert result.returncode == 2  # a problem for the user to fix, said plainly
     run_dir = root / "runs" / name
-    for rank in (0, 1):  # the same error, reported by each rank itself
+    for rank in (0, 1):  # the same error, reported by each rank itself (rank 1 in its log, not on the console)
         failed = r"saving checkpoint \S*step_00000004 failed on rank\(s\) \[1\]: No space left on device"
-        assert re.search(rf"\[rank{rank}\] ERROR {failed}", result.stderr), result.stderr[-3000:]
+        said = result.stderr if rank == 0 else rank_output(run_dir / "logs", 1)
+        assert re.search(rf"\[rank{rank}\] ERROR {failed}", said), result.stderr[-3000:]
     assert "was free then, and a checkpoint of this run takes about" in result.stderr
     assert "Traceback" not in result.stderr
     checkpoints = list_checkpoints(run_dir)

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.api import Std
 
+from trainmesh.core.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
 from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
 
 
@@ -87,3 +92,60 @@ def test_c10d_without_an_id_derives_one_from_the_endpoint() -> None:
     opts = LaunchOptions(nnodes="2", rdzv_endpoint="10.0.0.1:29400")
     assert opts.rendezvous_id() == "tm-10-0-0-1-29400" == opts.default_run_suffix()
     assert "--rdzv-id=tm-10-0-0-1-29400" in torchrun_argv(opts, ["x.py"], module=False)
+
+
+# --- per-rank logs (core/rank_logs.py) -------------------------------------------------------------------------
+
+
+def test_logs_are_kept_with_local_rank_0_on_the_console_unless_told_otherwise(tmp_path: Path) -> None:
+    assert LogSettings().torchrun_flags() == ("0", "3", "0")  # a recipe's run: <run>/logs, both streams, rank 0
+    assert LogSettings(NO_LOG_DIR).torchrun_flags() == ("0", "0", "")  # torchrun's: every rank on the console
+    assert LogSettings("x", tee="2", local_ranks_filter="").torchrun_flags() == ("0", "2", "")
+    opts = LaunchOptions(nproc_per_node="2", logs=LogSettings(str(tmp_path)))
+    argv = torchrun_argv(opts, ["x.py"], module=False, log_folder=tmp_path / "launch")
+    assert {f"--log-dir={tmp_path / 'launch'}", "--tee=3", "--local-ranks-filter=0"} <= set(argv)
+    plain = torchrun_argv(LaunchOptions(nproc_per_node="2", logs=LogSettings(NO_LOG_DIR)), ["x.py"], module=False)
+    assert not [a for a in plain if a.startswith(("--log-dir", "--tee", "--redirects", "--local-ranks-filter"))]
+
+
+@pytest.mark.parametrize(
+    ("logs", "message"),
+    [
+        (LogSettings(tee="4"), "--tee='4': expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (LogSettings(redirects="0:x"), "--redirects='0:x'"),
+        (LogSettings(local_ranks_filter="first"), "--local-ranks-filter='first': expected local ranks"),
+        (LogSettings(NO_LOG_DIR, local_ranks_filter="0"), "hides local rank(s) [1] from the console, and they have no"),
+        (LogSettings(tee="0:3,1:2"), "hides local rank(s) [1] from the console, and they have no file for both"),
+    ],
+)
+def test_log_settings_that_would_lose_output_or_do_not_parse_are_refused(logs: LogSettings, message: str) -> None:
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        LaunchOptions(nproc_per_node="2", logs=logs).check()
+
+
+def test_each_rank_writes_into_its_own_folder_named_by_attempt_and_global_rank(tmp_path: Path) -> None:
+    """What torchrun's agent asks of the LogsSpecs at each (re)start: here node 2 of a job (global ranks 4, 5),
+    after one restart, showing local rank 0 on the console."""
+    envs = {lr: {"RANK": str(4 + lr), "TORCHELASTIC_RESTART_COUNT": "1"} for lr in (0, 1)}
+    dest = RankLogs(tmp_path, Std.ALL, Std.ALL, {0}).reify(envs)
+    folders = [tmp_path / "attempt_1" / f"rank_{r}" for r in (4, 5)]
+    assert dest.stdouts == {0: str(folders[0] / "stdout.log"), 1: str(folders[1] / "stdout.log")}
+    assert dest.stderrs == {0: str(folders[0] / "stderr.log"), 1: str(folders[1] / "stderr.log")}
+    assert dest.tee_stdouts == {0: dest.stdouts[0]} and dest.tee_stderrs == {0: dest.stderrs[0]}  # rank 1: file only
+    assert [envs[lr]["TORCHELASTIC_ERROR_FILE"] for lr in (0, 1)] == [str(f / "error.json") for f in folders]
+    assert all(f.is_dir() for f in folders)
+    # Streams neither kept nor shown are dropped, shown ones go to the console ("" in torch's spelling).
+    (tmp_path / "b").mkdir()  # a launch's folder (claim_launch_folder)
+    dest = RankLogs(tmp_path / "b", Std.NONE, Std.ERR, {0}).reify(envs)
+    assert dest.stdouts == {0: "", 1: os.devnull} and dest.tee_stderrs == {0: dest.stderrs[0]}
+
+
+def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path) -> None:
+    first, second = claim_launch_folder(tmp_path, False), claim_launch_folder(tmp_path, False)
+    assert second.name in (f"{first.name}-2", second.name) and first != second  # the same second, or the next
+    assert claim_launch_folder(tmp_path, True).name.endswith(f"-{socket.gethostname()}")  # a node of several
+
+
+def test_the_tail_of_a_log_is_its_last_lines(tmp_path: Path) -> None:
+    (tmp_path / "stderr.log").write_text("".join(f"line {i}\n" for i in range(100_000)))  # longer than it reads
+    assert tail(tmp_path / "stderr.log", 3) == "line 99997\nline 99998\nline 99999"

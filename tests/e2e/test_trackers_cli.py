@@ -59,6 +59,23 @@ def test_a_run_and_its_resume_log_into_one_mlflow_run(tmp_path: Path, monkeypatc
     assert client.get_run(run_id).data.params["train.max_steps"] == "4"  # MLflow keeps a parameter's first value
 
 
+def test_a_run_that_fails_marks_its_tracker_run_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": "rank=1,step=2,kind=exception"}
+    result = _trainmesh(
+        tmp_path, env, "--run-id", "fails", "--", "--log.sinks=mlflow", f"--log.mlflow_tracking_uri={store}"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    run_id = read_ids(tmp_path / "runs" / "fails")["mlflow"]
+    client = MlflowClient(store)
+    assert client.get_run(run_id).info.status == "FAILED"  # rank 0 failed too (its peer was gone): records kept
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1]
+
+
 def test_a_missing_tracker_package_stops_the_launch_with_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

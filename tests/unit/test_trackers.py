@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,11 @@ def wandb_records(path: Path) -> list[Any]:
 def wandb_run(folder: Path) -> dict[str, Any]:
     """An offline run folder's id, name, tags, config, history {step: {key: value}} and exit code."""
     (log_file,) = folder.glob("run-*.wandb")
+    # wandb's service process writes the file: run.finish() may return before the records are all there.
+    deadline = time.monotonic() + 30
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log_file)):
+        assert time.monotonic() < deadline, f"{log_file} holds no exit record"
+        time.sleep(0.1)
     run: dict[str, Any] = {"history": {}, "config": {}}
     for record in wandb_records(log_file):
         kind = record.WhichOneof("record_type")

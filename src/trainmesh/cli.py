@@ -77,15 +77,15 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     )
     flag(
         "log-dir",
-        default=d(None),
+        None,
         help="where each launch keeps every rank's stdout and stderr, in <dir>/<launch>/attempt_<n>/rank_<r>/ "
         "(default: <run>/logs for a recipe; none: no files, every rank on the console, as plain torchrun)",
     )
-    flag("redirects", default=d(None), help="torchrun's: streams only in files, 0-3 or LOCAL_RANK:N,... (default 0)")
-    flag("tee", default=d(None), help="torchrun's: streams in files and on the console (default with logs: 3, both)")
+    flag("redirects", None, help="torchrun's: streams only in files, 0-3 or LOCAL_RANK:N,... (default 0)")
+    flag("tee", None, help="torchrun's: streams in files and on the console (default with logs: 3, both)")
     flag(
         "local-ranks-filter",
-        default=d(None),
+        None,
         help="torchrun's: local ranks shown on the console, e.g. 0,1 (default with logs: 0; '': all)",
     )
 

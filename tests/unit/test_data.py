@@ -149,6 +149,20 @@ def test_damaged_llmc_headers_are_refused_naming_the_file(tmp_path: Path) -> Non
             load_tokens(tmp_path / name)
 
 
+def test_llmc_llama3_shards_are_refused_not_read_as_uint16_tokens(tmp_path: Path) -> None:
+    """llm.c's Llama-3 layout (dev/data/data_common.py HEADERS_INFO["llama-3"]: magic 20240801, version 7,
+    uint32 tokens) would otherwise pass for raw uint16 tokens: header ints and each id's two halves."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240801, 7, 3
+    (tmp_path / "edu_train_000001.bin").write_bytes(header.tobytes() + np.array([128000, 9, 70000], "<u4").tobytes())
+    np.arange(0, 9, dtype=np.uint16).tofile(tmp_path / "edu_val_000000.bin")
+    message = "edu_train_000001.bin is an llm.c Llama-3 shard (magic 20240801, version 7): uint32 tokens, not supported"
+    with pytest.raises(BadShardError, match=re.escape(message) + r".*Fix: .*trainmesh data prepare"):
+        load_tokens(tmp_path / "edu_train_000001.bin")
+    with pytest.raises(BadShardError, match=re.escape(message)):
+        TokenWindows(shard_corpus(tmp_path).train, block_size=4)
+
+
 def test_a_prepared_folder_is_read_from_its_manifest(tmp_path: Path) -> None:
     from trainmesh.data.prepare import PrepareOptions, prepare
 

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from trainmesh.data.shards import MAGIC, VERSION, BadShardError, ShardInfo
+from trainmesh.data.shards import HEADER_BYTES, MAGIC, VERSION, BadShardError, ShardInfo
 
 MANIFEST = "manifest.json"
 FORMAT = "trainmesh-tokens"
@@ -59,7 +59,7 @@ class Manifest:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "trainmesh_version": self.trainmesh_version,
-            "shard_layout": {"layout": "llm.c", "magic": MAGIC, "version": VERSION, "header_bytes": 1024},
+            "shard_layout": {"layout": "llm.c", "magic": MAGIC, "version": VERSION, "header_bytes": HEADER_BYTES},
             "tokenizer": asdict(self.tokenizer),
             "documents": self.train.documents + self.val.documents,
             "tokens": self.train.tokens + self.val.tokens,

@@ -11,10 +11,12 @@ llm.c's layout (`dev/data/data_common.py`, `write_datafile`), which `trainmesh d
 | 1024           | uint16 × N      | the tokens, little-endian                                     |
 
 A `.bin` whose first int32 is the magic is read as llm.c's, and refused (naming the file) when its version
-is unknown or its size is not 1024 + 2·N bytes: a truncated copy must not train as a shorter corpus. Any
-other `.bin` is raw uint16 tokens (nanoGPT's train.bin): the magic read as two tokens would be the pair
-(55432, 308) followed by (1, 0), which a raw shard does not start with by chance, and the size check
-confirms it. llm.c's version 2 (Llama 3's uint32 tokens, magic 20240801) is not read.
+is unknown or its size is not 1024 + 2·N bytes: a truncated copy must not train as a shorter corpus. llm.c's
+other token layout, "llama-3" (magic 20240801, version 7, uint32 tokens), is recognised by its magic and
+refused: trainmesh stores uint16 ids only, and read as uint16 those files would train on header ints and
+halves of ids. Any other `.bin` is raw uint16 tokens (nanoGPT's train.bin): llm.c's magics read as two
+tokens would be the pairs (55432, 308) and (55713, 308), each followed by (1, 0) or (7, 0), which a raw
+shard does not start with by chance, and the size check confirms it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from trainmesh.core.errors import UserError
 
 MAGIC = 20240520
 VERSION = 1
+LLAMA3_MAGIC = 20240801  # llm.c's "llama-3" layout: version 7, uint32 tokens (not read)
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
@@ -67,7 +70,15 @@ def llmc_token_count(path: Path) -> int | None:
         size = path.stat().st_size
     except OSError as e:
         raise BadShardError(f"token shard {path} cannot be read: {e.strerror}") from None
-    if len(raw) < 4 or int(np.frombuffer(raw[:4], dtype="<i4")[0]) != MAGIC:
+    magic = int(np.frombuffer(raw[:4], dtype="<i4")[0]) if len(raw) >= 4 else None
+    if magic == LLAMA3_MAGIC:
+        version = int(np.frombuffer(raw[4:8], dtype="<i4")[0]) if len(raw) >= 8 else "missing"
+        raise BadShardError(
+            f"token shard {path} is an llm.c Llama-3 shard (magic {LLAMA3_MAGIC}, version {version}): uint32 "
+            "tokens, not supported; trainmesh reads llm.c's GPT-2 layout (uint16 tokens). Fix: re-prepare the "
+            "text with trainmesh data prepare (a tokenizer of at most 65,536 ids), or use llm.c's GPT-2 shards."
+        )
+    if magic != MAGIC:
         return None
     if len(raw) < HEADER_BYTES:
         raise BadShardError(
@@ -91,19 +102,15 @@ def llmc_token_count(path: Path) -> int | None:
     return count
 
 
-def load_tokens(path: Path, *, llmc: bool = False) -> np.ndarray:
-    """Memory-map one shard (no read into RAM). `llmc`: the shard must be in llm.c's layout (a prepared
-    folder's manifest says so), so a damaged magic is refused instead of read as raw tokens."""
+def load_tokens(path: Path) -> np.ndarray:
+    """Memory-map one shard (no read into RAM). A prepared folder's shards are checked against its manifest
+    before they are loaded (data/corpus.py `_prepared_corpus`), so a damaged magic there is refused rather
+    than read as raw tokens."""
     if path.suffix == ".npy":
         return _load_npy(path)
     count = llmc_token_count(path)
     if count is not None:
         return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
-    if llmc:
-        raise BadShardError(
-            f"token shard {path} does not start with llm.c's magic {MAGIC}, though manifest.json lists it as "
-            "a shard trainmesh data prepare wrote: corrupted. Fix: prepare the data again."
-        )
     size = path.stat().st_size
     if size == 0:
         raise BadShardError(f"token shard {path} is empty (0 bytes)")

@@ -112,6 +112,26 @@ def test_exporting_over_an_existing_folder_needs_force(run_dir: Path, capsys: py
     assert main(["ckpt", "inspect", str(run_dir), "--format", "hf"]) == 2  # an export-only flag
 
 
+def test_an_export_never_takes_a_folder_that_appeared_while_it_was_written(run_dir: Path) -> None:
+    """Without --force the output must not exist at the start, and must still not exist at the commit: a
+    folder another process made there meanwhile is left alone (it was moved aside and deleted)."""
+    from trainmesh.checkpoint.export import ExportUsageError, export_folder
+    from trainmesh.recipes.gpt.hf_export import HFFormat
+
+    out = run_dir.parent / "hf"
+
+    class Raced(HFFormat):
+        def write(self, model_state: dict[str, torch.Tensor], state: Any, folder: Path) -> int:
+            out.mkdir()
+            (out / "precious").write_text("another process's")
+            return super().write(model_state, state, folder)
+
+    with pytest.raises(ExportUsageError, match=r"hf appeared while the export was written .* not replaced without"):
+        export_folder(run_dir, Raced(), out)
+    assert [p.name for p in out.iterdir()] == ["precious"]
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["hf", "r"]  # no temporary folder left
+
+
 def resnet_rank(rank: int, root: str) -> None:
     overrides = ["--model.width=4", "--model.image_size=16", "--train.max_steps=1", "--train.eval_every=0"]
     overrides += ["--run.progress=false", "--checkpoint.final=true", "--run.id=res", f"--run.out_dir={root}/runs"]

@@ -149,6 +149,24 @@ def test_the_manifest_records_what_was_read_and_written(tmp_path: Path) -> None:
     )
 
 
+def test_the_manifest_and_the_folder_are_on_disk_before_the_folder_is_renamed_into_place(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """'A folder with a manifest is complete' holds across a power loss: every file and the staging folder are
+    fsynced before the rename, and the folder holding --out after it."""
+    (tmp_path / "a.txt").write_text("some text " * 1000)
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(f"rename {src} {dst}"), real_rename(src, dst)))
+    done = run(tmp_path, tmp_path / "a.txt", workers=1)
+    staging = tmp_path / f".out.partial-{os.getpid()}"
+    commit = events.index(f"rename {staging} {done.folder}")
+    files = [staging / name for name in os.listdir(done.folder)]
+    assert len(files) == 3 and set(map(str, [*files, staging])) <= set(events[:commit])
+    assert str(tmp_path) in events[commit:]
+
+
 def test_a_big_text_is_cut_where_gpt2_tokens_do_not_change(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Pieces of a text file, tokenised apart, give the tokens of the whole file (GPT-2's pre-tokeniser never
     joins across a newline between two non-space characters)."""

@@ -3,7 +3,9 @@ nothing behind; and memory stays flat on a corpus larger than the memory it may 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import resource
 import subprocess
@@ -97,6 +99,66 @@ def test_out_is_never_an_input_and_is_replaced_only_with_force(tmp_path: Path, t
     run(tmp_path, text, force=True)
     assert not (tmp_path / "out" / "stale.bin").exists() and (tmp_path / "out" / "manifest.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no staging or old folder left
+
+
+@pytest.mark.parametrize("made", ["a full folder", "an empty folder", "a full one where an empty one was"])
+def test_an_out_that_appears_during_the_run_is_not_taken_without_force(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path, made: str
+) -> None:
+    """--out is checked at the start and again at the commit: another process's folder made there meanwhile is
+    never moved aside and deleted (it was), and an empty --out accepted at the start goes only if still empty."""
+    out = tmp_path / "out"
+    if made.endswith("where an empty one was"):
+        out.mkdir()
+    real = prepare_module.build
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        manifest = real(*args, **kwargs)
+        out.mkdir(exist_ok=True)
+        if made != "an empty folder":
+            (out / "theirs.txt").write_text("another process's")
+        return manifest
+
+    monkeypatch.setattr(prepare_module, "build", racing)
+    message = "was an empty folder when prepare started" if out.exists() else "appeared while prepare ran"
+    refused(rf"--out='.*out' {message}.*not replaced without --force", tmp_path, text)
+    assert [p.name for p in out.iterdir()] == ([] if made == "an empty folder" else ["theirs.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # the staging folder removed
+
+
+def test_a_failed_commit_puts_the_old_out_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path) -> None:
+    run(tmp_path, text)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    real = os.rename
+
+    def failing(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(".out.partial-"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="cross-device"):
+        run(tmp_path, text, force=True, val_fraction=0.1)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no staging or old folder left
+
+
+def test_a_symlink_or_a_nameless_out_is_refused(tmp_path: Path, text: Path) -> None:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target", target_is_directory=True)
+    for force in (False, True):  # it was replaced by a real folder, and with --force rmtree then failed on the link
+        refused(
+            r"--out='.*link' is a symlink \(to '.*target'\).*Fix: --out='.*target'",
+            tmp_path,
+            text,
+            out="link",
+            force=force,
+        )
+    assert (tmp_path / "link").is_symlink() and not any((tmp_path / "target").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "link", "target"]
+    refused(r"--out='.*in/..' does not end in a folder's name", tmp_path, text, out="in/..", force=True)
+    with pytest.raises(UserError, match=r"--out='.' does not end in a folder's name"):
+        prepare(PrepareOptions(inputs=(text,), out=Path("."), progress=False, force=True))
 
 
 def test_ids_that_do_not_fit_uint16_and_too_little_text_are_refused(

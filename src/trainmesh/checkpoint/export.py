@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +35,7 @@ from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import make_dirs, open_file
+from trainmesh.core.files import make_dirs, open_file, remove_tree, replace_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 
@@ -128,8 +127,9 @@ def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) 
 def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force: bool = False) -> Exported:
     """Verify, then write a checkpoint's (or a run's newest valid one's) model as a folder in format `fmt`.
 
-    The folder is written under a temporary name beside `out` and renamed into place, so a failed export leaves
-    nothing behind; an existing `out` is replaced (after the new one is complete) only with `force`."""
+    The folder is written under a temporary name beside `out` and renamed into place (core/files.py
+    `replace_folder`), so a failed export leaves nothing behind; an existing `out` is replaced (after the new
+    one is complete, and put back if that fails) only with `force`; a symlink there is replaced, not followed."""
     ckpt = exportable_checkpoint(path)
     state = TrainerState.read(ckpt)
     fmt.check(state)
@@ -137,40 +137,29 @@ def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force:
     out = out if out is not None else default_output(ckpt, state.step).with_name(f"{fmt.name}_step_{state.step:08d}")
     if out.exists() and not out.is_dir():
         raise ExportUsageError(f"{out} is a file; --format {fmt.name} writes a folder. Fix: -o a folder path.")
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:  # lexists: a dangling symlink is something there too
         raise ExportUsageError(f"{out} already exists. Fix: pass --force to replace it, or -o another folder.")
     model_state = read_full_state(ckpt)["model"]
     if in_run:  # inside the run folder: a real directory, not one planted as a symlink
         make_dirs(out.parent.parent, EXPORT_DIR)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = (out.with_name(f".{out.name}.{what}.{os.getpid()}") for what in ("tmp", "old"))
-    for leftover in (tmp, old):
-        _remove(leftover)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    remove_tree(tmp)  # a leftover of a killed export that had this pid
     try:
         tmp.mkdir()
         tensors = fmt.write(model_state, state, tmp)
-        if out.exists():  # a folder cannot be renamed over a non-empty one: move it aside first
-            out.rename(old)
         try:
-            tmp.rename(out)
-        except OSError:
-            if old.exists():  # put the previous export back: fail without losing it
-                old.rename(out)
-            raise
+            replace_folder(tmp, out, replace=force)
+        except FileExistsError:
+            raise ExportUsageError(
+                f"{out} appeared while the export was written (another export?); it is not replaced without "
+                "--force. Fix: pass --force to replace it, or -o another folder."
+            ) from None
     finally:
-        _remove(tmp)
-        _remove(old)
+        remove_tree(tmp)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return Exported(ckpt, out, state.step, tensors, size)
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or a folder tree; never follows a symlink (rmtree refuses one, unlink removes the link)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -9,15 +9,23 @@ can plant a symlink where trainmesh is about to write (`metrics.jsonl -> ~/.bash
 - files are opened with O_NOFOLLOW, so a symlink at the file's own name is refused (ELOOP);
 - a file replaced as a whole is written under a fresh temporary name (O_EXCL) and renamed over the old
   one, which replaces a symlink there instead of writing through it.
+
+A folder written as a whole (an export, prepared token shards) is built under a temporary name beside its
+destination and committed by `replace_folder`: made durable and renamed into place; an old folder there is
+replaced only when asked (and put back if the rename fails), and a symlink there is never followed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
 from trainmesh.core.errors import UserError
+from trainmesh.core.logging import get_logger
+
+log = get_logger(__name__)
 
 
 class UnsafePathError(UserError, OSError):
@@ -97,3 +105,63 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_folder(new: Path, dest: Path, *, replace: bool) -> None:
+    """Rename the complete folder `new` to `dest`, its sibling, after making `new`'s files and entries durable,
+    so that after a power loss `dest` is the old folder or the whole new one, never a part of it.
+
+    Without `replace`, `dest` must not exist (FileExistsError): whatever appeared there since the caller
+    checked, another process's output say, is never taken. With it, an existing `dest` is moved aside (a
+    folder cannot be renamed over a non-empty one), `new` renamed into place and the old one removed; if that
+    rename fails the old one is put back, so a failure loses nothing. A symlink at `dest` is replaced as a
+    link: it is removed, never followed, and the folder it points to is left alone."""
+    _fsync_tree(new)
+    if not replace:
+        if os.path.lexists(dest):
+            raise FileExistsError(f"{dest} exists")
+        # The kernel's rename would still replace an empty folder made in the instant since the check (a
+        # non-empty one, or a file, makes it fail): no data can be lost there.
+        os.rename(new, dest)
+        fsync_dir(dest.parent)
+        return
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    remove_tree(old)  # a leftover of a killed process that had this pid
+    moved = os.path.lexists(dest)
+    if moved:
+        os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        if moved:
+            os.rename(old, dest)
+        raise
+    fsync_dir(dest.parent)
+    try:
+        remove_tree(old)
+    except OSError as e:  # the new folder is in place: what is left is only disk space
+        log.warning("%s replaced, but the old one, moved to %s, could not be removed (%s): remove it", dest, old, e)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a file or a folder tree, if there; never follows a symlink (rmtree refuses one, unlink removes
+    the link itself)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder` (symlinks are not followed), then each folder, deepest first."""
+    for directory, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trainmesh.core.errors import UserError
+from trainmesh.core.files import replace_folder, write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.data.encode import available_cpus, encode_pieces
 from trainmesh.data.manifest import MANIFEST, Manifest, SourceInfo, SplitInfo, TokenizerInfo, trainmesh_version
@@ -91,14 +92,14 @@ def prepare(options: PrepareOptions) -> Prepared:
     sources = find_sources(options.inputs)
     check_readers(sources)
     out = options.out
-    _check_out(out, list(options.inputs), sources, options.force)
+    existed = _check_out(out, list(options.inputs), sources, options.force)
     out.parent.mkdir(parents=True, exist_ok=True)
     for left in sorted(out.parent.glob(f".{out.name}.partial-*")):  # not removed: its process may still run
         log.warning("%s was left by a prepare that was killed (or still runs); remove it once it is not", left)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    staging.mkdir()
     workers = options.workers or available_cpus()
     try:
+        staging.mkdir()
         record = {
             "inputs": [str(p) for p in options.inputs],
             "tokenizer": options.tokenizer,
@@ -110,7 +111,7 @@ def prepare(options: PrepareOptions) -> Prepared:
         manifest = build(
             sources,
             staging,
-            out.resolve().name,
+            out.name,  # as typed: _check_out refused a symlink, '.' and '..'
             tokenizer,
             text_field=options.text_field,
             val_fraction=options.val_fraction,
@@ -119,7 +120,7 @@ def prepare(options: PrepareOptions) -> Prepared:
             progress=options.progress,
             record=record,
         )
-        _commit(staging, out)
+        _commit(staging, out, options.force, existed)
     except BaseException:  # Ctrl-C included: no half-written folder stays behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -167,7 +168,9 @@ def build(
         options=record or {},
         trainmesh_version=trainmesh_version(),
     )
-    (folder / MANIFEST).write_text(manifest.to_json())
+    # Last, and durably (the shards were fsynced as they were closed): a folder with a manifest is complete,
+    # after a power loss too, once the caller's rename is.
+    write_atomically(folder / MANIFEST, manifest.to_json(), durable=True)
     _log_summary(manifest, total, time.perf_counter() - started, workers)
     return manifest
 
@@ -181,8 +184,15 @@ def _tokenizer(name: str) -> Tokenizer:
     return get_tokenizer(name)  # built here once, so that missing vocabulary files stop the run before any work
 
 
-def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: bool) -> None:
-    """Refuse an --out that would read or replace its own inputs, or replace data without --force."""
+def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: bool) -> bool:
+    """Refuse an --out that would read or replace its own inputs, or replace data without --force; returns
+    whether `out` exists (an empty folder, or with --force one it may replace)."""
+    if out.name in ("", ".", ".."):
+        raise PrepareError(
+            f"--out={str(out)!r} does not end in a folder's name; prepare writes that folder beside its staging "
+            "folder and names the shards after it. Fix: name the folder, e.g. --out=data/mycorpus."
+        )
+    _refuse_symlink(out)
     real_out = out.resolve()
     for given in [*inputs, *(s.path for s in sources)]:
         real = given.resolve()
@@ -203,17 +213,40 @@ def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: 
             f"--out={str(out)!r} exists and is not empty. Fix: --force to replace it (it is removed once the new "
             "data is complete), or another --out."
         )
+    return out.exists()
 
 
-def _commit(staging: Path, out: Path) -> None:
-    """Rename the complete staging folder to `out`; an old `out` is moved aside first, then removed."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old)
+def _refuse_symlink(out: Path) -> None:
+    if out.is_symlink():
+        raise PrepareError(
+            f"--out={str(out)!r} is a symlink (to {os.readlink(out)!r}): prepare commits its output by renaming a "
+            "complete folder to --out, which would replace the link rather than fill the folder it points to. "
+            f"Fix: --out={str(out.resolve())!r} (the folder itself), or another --out."
+        )
+
+
+def _commit(staging: Path, out: Path, force: bool, existed: bool) -> None:
+    """Rename the complete staging folder to `out` (core/files.py `replace_folder`). `out` is looked at again
+    first: the run may have taken hours, and only what is there now may be replaced."""
+    _refuse_symlink(out)
+    if existed and not force:  # an empty folder at the start, accepted without --force: taken only if still empty
+        try:
+            out.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            raise PrepareError(
+                f"--out={str(out)!r} was an empty folder when prepare started, and is not now (something wrote to it "
+                "meanwhile); it is not replaced without --force, and the new data is not kept. Fix: another --out, "
+                "or --force to replace it."
+            ) from None
+    try:
+        replace_folder(staging, out, replace=force)
+    except FileExistsError:
+        raise PrepareError(
+            f"--out={str(out)!r} appeared while prepare ran (another prepare to the same --out?); it is not replaced "
+            "without --force, and the new data is not kept. Fix: another --out, or --force to replace it."
+        ) from None
 
 
 def _describe_sources(sources: Sequence[Source], progress: bool) -> list[SourceInfo]:

@@ -259,7 +259,9 @@ def _add_data_parser(sub: Any) -> None:
     )
     prepare.add_argument("--shard-tokens", type=int, help="tokens per shard file (default 100,000,000, llm.c's)")
     prepare.add_argument("--workers", type=int, help="tokenising processes (default: one per available CPU)")
-    prepare.add_argument("--force", action="store_true", help="replace a non-empty --out (once the new one is done)")
+    prepare.add_argument(
+        "--force", action="store_true", help="replace an --out an earlier prepare wrote (once the new one is done)"
+    )
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
 
 

@@ -94,7 +94,7 @@ def test_bad_inputs_exit_2_saying_what_to_fix(
         assert message in capsys.readouterr().err, args
     assert main(["data", "prepare", "in", "--out", "out"]) == 0
     assert main(["data", "prepare", "in", "--out", "out"]) == 2
-    assert "--out='out' exists and is not empty. Fix: --force to replace it" in capsys.readouterr().err
+    assert "--out='out' exists and is not empty (an earlier prepare's output). Fix: --force" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
     assert main(["data", "prepare", "d.parquet", "--out", "p"]) == 2
     assert "needs the Python package 'pyarrow', which is not installed. Fix: pip install 'trainmesh[data]'" in (

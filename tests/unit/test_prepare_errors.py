@@ -94,11 +94,51 @@ def test_out_is_never_an_input_and_is_replaced_only_with_force(tmp_path: Path, t
     )
     refused(r"the input '.*a.txt' is inside --out='.*in', which prepare replaces", tmp_path, text, out="in")
     run(tmp_path, text)
-    refused(r"--out='.*out' exists and is not empty. Fix: --force to replace it", tmp_path, text)
-    (tmp_path / "out" / "stale.bin").write_bytes(b"old")
-    run(tmp_path, text, force=True)
-    assert not (tmp_path / "out" / "stale.bin").exists() and (tmp_path / "out" / "manifest.json").is_file()
+    refused(r"--out='.*out' exists and is not empty \(an earlier prepare's output\). Fix: --force", tmp_path, text)
+    before = (tmp_path / "out" / "manifest.json").read_text()
+    run(tmp_path, text, force=True, val_fraction=0.1)
+    assert (tmp_path / "out" / "manifest.json").read_text() != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no staging or old folder left
+    (tmp_path / "empty").mkdir()
+    run(tmp_path, text, out="empty", force=True)
+    assert (tmp_path / "empty" / "manifest.json").is_file()
+
+
+def test_force_never_replaces_a_folder_an_earlier_prepare_did_not_write(tmp_path: Path, text: Path) -> None:
+    """--force replaced any folder (a user's thesis folder vanished): now only an empty one or a prepare's output,
+    which is its manifest.json (of trainmesh's format) and the shards it lists, and nothing else."""
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    for name in ("chapter1.tex", "chapter2.tex", "figures", "main.tex", "refs.bib", "x.sty", "y.cls"):
+        (thesis / name).write_text(name)
+    refused(
+        r"--out='.*thesis' is not the output of an earlier trainmesh data prepare \(it has no manifest.json of "
+        r"trainmesh's\) and holds chapter1.tex, chapter2.tex, figures, main.tex, refs.bib and 2 more, so it is not "
+        r"replaced, with --force or without.*Fix: another --out, or remove '.*thesis' yourself",
+        tmp_path,
+        text,
+        out="thesis",
+        force=True,
+    )
+    assert len(list(thesis.iterdir())) == 7
+    (thesis / "manifest.json").write_text(json.dumps({"format": "something else", "splits": {}}))
+    refused(r"thesis' is not the output of an earlier trainmesh data prepare", tmp_path, text, out="thesis", force=True)
+    listed = [{"file": name} for name in os.listdir(thesis)]  # trainmesh's format, listing what is not a shard
+    (thesis / "manifest.json").write_text(
+        json.dumps({"format": "trainmesh-tokens", "splits": {"train": {"shards": listed}}})
+    )
+    refused(
+        r"thesis' holds files an earlier prepare did not write \(chapter1.tex, ",
+        tmp_path,
+        text,
+        out="thesis",
+        force=True,
+    )
+    run(tmp_path, text)
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    refused(r"--out='.*out' holds files an earlier prepare did not write \(notes.txt\)", tmp_path, text, force=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out", "thesis"]
 
 
 @pytest.mark.parametrize("made", ["a full folder", "an empty folder", "a full one where an empty one was"])
@@ -124,6 +164,19 @@ def test_an_out_that_appears_during_the_run_is_not_taken_without_force(
     refused(rf"--out='.*out' {message}.*not replaced without --force", tmp_path, text)
     assert [p.name for p in out.iterdir()] == ([] if made == "an empty folder" else ["theirs.txt"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # the staging folder removed
+
+
+def test_force_checks_out_again_at_the_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path) -> None:
+    run(tmp_path, text)
+    real = prepare_module.build
+
+    def meanwhile(*args: Any, **kwargs: Any) -> Any:
+        (tmp_path / "out" / "notes.txt").write_text("written during the run")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "build", meanwhile)
+    refused(r"--out='.*out' holds files an earlier prepare did not write \(notes.txt\)", tmp_path, text, force=True)
+    assert (tmp_path / "out" / "notes.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
 
 
 def test_a_failed_commit_puts_the_old_out_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path) -> None:

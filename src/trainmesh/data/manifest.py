@@ -9,6 +9,7 @@ tokens of each split, every input with its size and SHA-256, the options, and th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +20,7 @@ from trainmesh.data.shards import HEADER_BYTES, MAGIC, VERSION, BadShardError, S
 MANIFEST = "manifest.json"
 FORMAT = "trainmesh-tokens"
 FORMAT_VERSION = 1
+SHARD_NAME = re.compile(r"[^/]+_(?:train|val)_\d{6}\.bin")  # shards.py ShardWriter's names
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,20 @@ def read_manifest(folder: Path) -> Manifest | None:
             "Fix: prepare the folder again with trainmesh data prepare (or remove manifest.json to read the "
             "shards by their names, with --model.vocab_size set)."
         ) from None
+
+
+def prepared_files(folder: Path) -> set[str] | None:
+    """The names of the files `trainmesh data prepare` writes into `folder`: manifest.json and the shards it
+    lists (named as shards are: a hand-edited manifest cannot make `--force` take other files); None when
+    `folder` holds no manifest.json of trainmesh's format (of any version): not prepare's."""
+    try:
+        body = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            return None
+        listed = {str(shard["file"]) for split in body["splits"].values() for shard in split["shards"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, unreadable, or another layout
+        return None
+    return {MANIFEST, *(name for name in listed if SHARD_NAME.fullmatch(name))}
 
 
 def _split(body: dict[str, Any]) -> SplitInfo:

@@ -31,7 +31,15 @@ from trainmesh.core.errors import UserError
 from trainmesh.core.files import replace_folder, write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.data.encode import available_cpus, encode_pieces
-from trainmesh.data.manifest import MANIFEST, Manifest, SourceInfo, SplitInfo, TokenizerInfo, trainmesh_version
+from trainmesh.data.manifest import (
+    MANIFEST,
+    Manifest,
+    SourceInfo,
+    SplitInfo,
+    TokenizerInfo,
+    prepared_files,
+    trainmesh_version,
+)
 from trainmesh.data.shards import MAX_SHARD_TOKENS, ShardWriter
 from trainmesh.data.sources import Source, check_readers, find_sources, read_pieces
 from trainmesh.data.split import TrainValSplit
@@ -206,14 +214,38 @@ def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: 
                 f"the input {str(given)!r} is inside --out={str(out)!r}, which prepare replaces. "
                 "Fix: an --out that holds none of the inputs."
             )
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"--out={str(out)!r} is a file. Fix: name a folder (new, or empty).")
+    if out.exists():
+        _check_replaceable(out)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise PrepareError(
-            f"--out={str(out)!r} exists and is not empty. Fix: --force to replace it (it is removed once the new "
-            "data is complete), or another --out."
+            f"--out={str(out)!r} exists and is not empty (an earlier prepare's output). Fix: --force to replace "
+            "it (it is removed once the new data is complete), or another --out."
         )
     return out.exists()
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to replace an `out` that is neither empty nor an earlier prepare's output (its manifest.json and
+    the shards that lists, nothing else): --force must never remove a folder of the user's own files."""
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out={str(out)!r} is a file. Fix: name a folder (new, or empty).")
+    present = sorted(os.listdir(out)) if out.is_dir() else []
+    ours = prepared_files(out)
+    others = present if ours is None else [name for name in present if name not in ours]
+    if not others:
+        return
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    what = (
+        f"is not the output of an earlier trainmesh data prepare (it has no {MANIFEST} of trainmesh's) and holds "
+        f"{shown}"
+        if ours is None
+        else f"holds files an earlier prepare did not write ({shown})"
+    )
+    raise PrepareError(
+        f"--out={str(out)!r} {what}, so it is not replaced, with --force or without: --force replaces only an "
+        f"empty folder or an earlier prepare's output. Fix: another --out, or remove {str(out)!r} yourself if "
+        "nothing in it is needed."
+    )
 
 
 def _refuse_symlink(out: Path) -> None:
@@ -229,7 +261,9 @@ def _commit(staging: Path, out: Path, force: bool, existed: bool) -> None:
     """Rename the complete staging folder to `out` (core/files.py `replace_folder`). `out` is looked at again
     first: the run may have taken hours, and only what is there now may be replaced."""
     _refuse_symlink(out)
-    if existed and not force:  # an empty folder at the start, accepted without --force: taken only if still empty
+    if force:
+        _check_replaceable(out)
+    elif existed:  # an empty folder at the start, accepted without --force: taken only if still empty
         try:
             out.rmdir()
         except FileNotFoundError:

@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from trainmesh.core.errors import UserError
 from trainmesh.data import split as split_module
 from trainmesh.data import textstream
 from trainmesh.data.prepare import Prepared, PrepareOptions, prepare
@@ -110,6 +112,23 @@ def test_folders_are_walked_in_order_skipping_hidden_and_other_files(tmp_path: P
     names = [Path(s.path).relative_to(root.resolve()).as_posix() for s in done.manifest.sources]
     assert names == ["a.txt", "b/b.txt", "b/deeper/c.md", "z.txt.gz"]
     assert bytes(stream(done).astype(np.uint8)) == b"ABCZ"
+
+
+def test_a_prepared_folder_inside_an_input_folder_is_skipped_not_read_as_json_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier prepare's output (manifest.json and .bin shards) inside a walked folder: its manifest.json was
+    read as JSON Lines and stopped the run with "repair or remove that line"."""
+    (tmp_path / "a.txt").write_text("A")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "b.txt").write_text("B" * 100)
+    run(tmp_path, tmp_path / "corpus" / "b.txt", out="corpus/tokens")
+    with caplog.at_level("WARNING", logger="trainmesh"):
+        done = run(tmp_path, tmp_path / "a.txt", tmp_path / "corpus", out="again", val_fraction=0.2)
+    assert [Path(s.path).name for s in done.manifest.sources] == ["a.txt", "b.txt"]
+    assert re.search(r"not reading .*corpus/tokens: a folder of prepared token shards", caplog.text)
+    with pytest.raises(UserError, match=r"input folder '.*tokens' holds prepared token shards.*--data.source="):
+        run(tmp_path, tmp_path / "corpus" / "tokens", out="twice")
 
 
 def test_the_output_is_the_same_for_any_number_of_workers(tmp_path: Path) -> None:

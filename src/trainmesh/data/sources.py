@@ -3,7 +3,9 @@
 Inputs are files and folders. A folder is walked recursively, depth first, each folder's entries in sorted
 name order, skipping hidden entries (a leading dot) and files of other kinds, following symlinks but never
 into a folder already visited (so a symlink loop ends). A folder holding a Hugging Face dataset written by
-`save_to_disk` is one source, not walked into. A file named on the command line is read by its suffix, and
+`save_to_disk` is one source, not walked into. A folder of token shards an earlier prepare wrote (its
+manifest.json is trainmesh's) is skipped with a warning: its manifest is no JSON Lines file, its shards no
+text; named as an input itself, it is refused. A file named on the command line is read by its suffix, and
 as text when the suffix is none of these:
 
 | kind    | suffixes                          | a document is                                   |
@@ -38,6 +40,7 @@ from typing import IO, Any
 
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
+from trainmesh.data.manifest import MANIFEST, prepared_files
 from trainmesh.data.textstream import Piece, text_pieces
 
 log = get_logger(__name__)
@@ -78,6 +81,12 @@ def find_sources(inputs: Sequence[Path]) -> list[Source]:
         if not given.exists():
             raise SourceError(f"input {str(given)!r} does not exist. Fix: name existing files or folders.")
         if given.is_dir():
+            if prepared_files(given) is not None:
+                raise SourceError(
+                    f"input folder {str(given)!r} holds prepared token shards (trainmesh data prepare's output: its "
+                    f"{MANIFEST}), not documents. Fix: name the text it was prepared from (its {MANIFEST} lists "
+                    f"the inputs); to train on it, --data.source={given}."
+                )
             found = _walk(given, skipped)
             if not found:
                 raise SourceError(
@@ -137,6 +146,12 @@ def _walk(folder: Path, skipped: Counter[str]) -> list[Source]:
         dataset = _dataset_source(directory)
         if dataset is not None:
             found.append(dataset)
+            return
+        if prepared_files(directory) is not None:  # its manifest.json is no JSON Lines, its .bin no text
+            log.warning(
+                "not reading %s: a folder of prepared token shards (trainmesh data prepare's output), not documents",
+                directory,
+            )
             return
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             path = Path(entry.path)

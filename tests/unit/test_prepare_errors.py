@@ -231,6 +231,55 @@ def test_ids_that_do_not_fit_uint16_and_too_little_text_are_refused(
     refused(r"the inputs hold 1 token\(s\): too few for a train and a validation split", tmp_path, tmp_path / "one.txt")
 
 
+def test_an_input_that_vanishes_or_a_worker_that_dies_is_an_error_that_names_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path
+) -> None:
+    """Both were tracebacks: an input gone between finding and hashing it (OSError), and a worker that dies
+    (BrokenProcessPool; here a tokenizer registered in this process only, which the spawned workers lack)."""
+    real = prepare_module.find_sources
+
+    def then_removed(inputs: Any) -> Any:
+        found = real(inputs)
+        text.unlink()
+        return found
+
+    monkeypatch.setattr(prepare_module, "find_sources", then_removed)
+    refused(r"cannot read input .*a.txt: No such file or directory", tmp_path, text)
+    monkeypatch.setattr(prepare_module, "find_sources", real)
+    text.write_text("some text\n" * 100)
+
+    class Local(ByteTokenizer):
+        name = "local"
+
+    monkeypatch.setitem(tokenizer_module._TOKENIZERS, "local", Local)
+    refused(
+        r"a tokenising worker process died before returning its result .*killed for memory.*"
+        r"if __name__ == \"__main__\".*Fix: fewer --workers, or --workers=1",
+        tmp_path,
+        text,
+        tokenizer="local",
+        workers=2,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_script_without_a_main_guard_gets_the_fix_not_a_broken_pool(tmp_path: Path, text: Path) -> None:
+    script = f"""
+from pathlib import Path
+from trainmesh.data.prepare import PrepareOptions, prepare
+prepare(PrepareOptions((Path({str(text)!r}),), Path({str(tmp_path / "out")!r}), workers=2, progress=False))
+"""
+    (tmp_path / "unguarded.py").write_text(script)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "unguarded.py")], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainmesh.data.encode.WorkerDiedError: a tokenising worker process died"), last
+    assert 'without if __name__ == "__main__":' in last and "BrokenProcessPool" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "unguarded.py"]
+
+
 def test_an_interrupted_prepare_leaves_no_folder_behind(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path
 ) -> None:

@@ -6,7 +6,8 @@ group), each building the tokenizer by name once. Results come back in task orde
 the same for any number of workers. At most two tasks per worker are in flight: `Pool.imap` would read the
 whole input ahead into its queue, and memory would grow with the corpus. The pool is concurrent.futures'
 rather than multiprocessing.Pool: a worker that dies (killed for memory, or a tokenizer that cannot be built
-there) ends the run with BrokenProcessPool, where Pool would wait for its result forever.
+there) ends the run with BrokenProcessPool, where Pool would wait for its result forever; that is raised as
+`WorkerDiedError`, which names the likely causes and their fixes.
 
 Each document starts with the tokenizer's `eot` (GPT-2's <|endoftext|>), as GPT-2 and llm.c lay out
 their training data; a tokenizer without one (byte) puts documents side by side, nothing between them.
@@ -20,15 +21,21 @@ import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 import numpy as np
 
+from trainmesh.core.errors import UserError
 from trainmesh.data.textstream import Piece
 from trainmesh.data.tokenizer import Tokenizer, get_tokenizer
 
 TASK_CHARS = 1 << 20
 IN_FLIGHT_PER_WORKER = 2
+
+
+class WorkerDiedError(UserError, RuntimeError):
+    """A tokenising worker process ended without returning its result."""
 
 
 class Task(NamedTuple):
@@ -61,18 +68,29 @@ def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) ->
             yield encode_task(tokenizer, task)
         return
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,)) as pool:
-        in_flight: deque[Future[Encoded]] = deque()
-        try:
-            for task in tasks:
-                in_flight.append(pool.submit(_encode_in_worker, task))
-                if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+    try:
+        with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,)) as pool:
+            in_flight: deque[Future[Encoded]] = deque()
+            try:
+                for task in tasks:
+                    in_flight.append(pool.submit(_encode_in_worker, task))
+                    if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                        yield in_flight.popleft().result()
+                while in_flight:
                     yield in_flight.popleft().result()
-            while in_flight:
-                yield in_flight.popleft().result()
-        finally:  # on an error or Ctrl-C: drop the queued tasks instead of finishing them
-            for future in in_flight:
-                future.cancel()
+            finally:  # on an error or Ctrl-C: drop the queued tasks instead of finishing them
+                for future in in_flight:
+                    future.cancel()
+    except BrokenProcessPool as e:
+        raise WorkerDiedError(
+            f"a tokenising worker process died before returning its result ({str(e).rstrip('.')}). Likely causes: "
+            "it was killed for memory (the kernel's OOM killer: see dmesg); or it could not start (its own error is "
+            'printed above): prepare called from a script without if __name__ == "__main__": around it (spawned '
+            "workers import the main module, which then starts prepare again), or a tokenizer that a new process "
+            "does not know (register_tokenizer called other than at a module's top level). Fix: fewer --workers, "
+            'or --workers=1 (tokenise in this process); put the call under if __name__ == "__main__":; register '
+            "the tokenizer at a module's top level."
+        ) from None
 
 
 def encode_task(tokenizer: Tokenizer, task: Task) -> Encoded:

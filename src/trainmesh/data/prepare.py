@@ -41,7 +41,7 @@ from trainmesh.data.manifest import (
     trainmesh_version,
 )
 from trainmesh.data.shards import MAX_SHARD_TOKENS, ShardWriter
-from trainmesh.data.sources import Source, check_readers, find_sources, read_pieces
+from trainmesh.data.sources import Source, SourceError, check_readers, find_sources, read_pieces
 from trainmesh.data.split import TrainValSplit
 from trainmesh.data.tokenizer import Tokenizer, get_tokenizer, tokenizer_names
 
@@ -286,23 +286,33 @@ def _commit(staging: Path, out: Path, force: bool, existed: bool) -> None:
 def _describe_sources(sources: Sequence[Source], progress: bool) -> list[SourceInfo]:
     """Each source's size and SHA-256 (a pass over the inputs before the tokenising one)."""
     files = {source: source.files() for source in sources}
-    total = sum(p.stat().st_size for paths in files.values() for p in paths)
+    sizes = {p: _size(p) for paths in files.values() for p in paths}
     described = []
-    with _bar(progress, total, "hashing") as bar:
+    with _bar(progress, sum(sizes.values()), "hashing") as bar:
         for source, paths in files.items():
             digests = []
             for path in paths:
-                with path.open("rb") as f:
-                    digests.append(hashlib.file_digest(f, "sha256").hexdigest())
-                bar.update(path.stat().st_size)
+                try:
+                    with path.open("rb") as f:
+                        digests.append(hashlib.file_digest(f, "sha256").hexdigest())
+                except OSError as e:  # removed or made unreadable since it was found
+                    raise SourceError(f"cannot read input {path}: {e.strerror or e}") from None
+                bar.update(sizes[path])
             if source.kind == "hf":
                 lines = sorted(f"{d}  {p.relative_to(source.path)}\n" for d, p in zip(digests, paths, strict=True))
                 digest = hashlib.sha256("".join(lines).encode()).hexdigest()
             else:
                 digest = digests[0]
-            size = sum(p.stat().st_size for p in paths)
+            size = sum(sizes[p] for p in paths)
             described.append(SourceInfo(str(source.path.resolve()), source.kind, size, digest))
     return described
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as e:
+        raise SourceError(f"cannot read input {path}: {e.strerror or e}") from None
 
 
 def _bar(progress: bool, total: int, what: str) -> tqdm[Any]:

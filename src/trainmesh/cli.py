@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging
 
 log = logging.getLogger("trainmesh")
@@ -478,6 +478,7 @@ def _horovodrun(argv: list[str]) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     """`trainmesh data prepare` (trainmesh.data.prepare imports no torch)."""
+    from trainmesh.core.signals import Terminated, sigterm_raises
     from trainmesh.data.prepare import PrepareOptions, prepare
 
     given = {k: getattr(args, k) for k in ("tokenizer", "text_field", "val_fraction", "shard_tokens", "workers")}
@@ -489,10 +490,14 @@ def _prepare_data(args: argparse.Namespace) -> int:
         **{k: v for k, v in given.items() if v is not None},
     )
     try:
-        done = prepare(options)
+        with sigterm_raises():  # as Ctrl-C: prepare removes its staging folder (the default would leave it)
+            done = prepare(options)
     except KeyboardInterrupt:
         log.warning("interrupted (Ctrl-C): nothing was written to %s", args.out)
         return EXIT_INTERRUPTED
+    except Terminated:
+        log.warning("terminated (SIGTERM): nothing was written to %s", args.out)
+        return EXIT_TERMINATED
     manifest = done.manifest
     for name, split in (("train", manifest.train), ("val", manifest.val)):
         print(f"{name:5} {split.tokens:>15,} tokens in {len(split.shards)} shard(s), {split.documents:,} document(s)")

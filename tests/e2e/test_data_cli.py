@@ -3,11 +3,14 @@ inputs end with exit code 2 and a message that says what to fix; a damaged shard
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +71,45 @@ def test_prepare_then_train_gpt_on_the_prepared_folder(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(50257)) < 1.0  # GPT-2's vocabulary, from the manifest
     assert "sample from the trained model" in result.stderr  # decoded with the manifest's tokenizer
+
+
+def test_sigterm_stops_prepare_leaving_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM's default action ended the process on the spot and left its staging folder; now it is removed,
+    the workers stopped, and the exit code is 143 (128 + SIGTERM)."""
+    import psutil
+
+    line = " ".join(f"word{i % 97} and more text" for i in range(40)) + "\n"
+    with (tmp_path / "big.txt").open("w") as f:
+        for _ in range(40 << 20 >> 11):  # 40 MiB: far more than the seconds this test waits
+            f.write(line * 2)
+    command = [sys.executable, "-m", "trainmesh.cli", "data", "prepare", "big.txt", "--out", "data"]
+    process = subprocess.Popen(
+        [*command, "--tokenizer", "gpt2", "--workers", "2", "--no-progress"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".data.partial-*/*.bin")):  # tokenising, and writing shards
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.02)
+        workers = psutil.Process(process.pid).children()
+        assert len(workers) >= 2
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:  # on a failure: no process of this test outlives it (orphaned workers wait for tasks forever)
+        for p in [process, *workers]:
+            with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                p.kill()
+    assert process.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM): nothing was written to data" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+    _, alive = psutil.wait_procs(workers, timeout=20)  # the workers (and multiprocessing's resource tracker)
+    assert not alive, [w.cmdline() for w in alive]
 
 
 def test_bad_inputs_exit_2_saying_what_to_fix(

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from trainmesh.core.errors import UserError
+from trainmesh.core.signals import Terminated, sigterm_raises
 from trainmesh.data import prepare as prepare_module
 from trainmesh.data import tokenizer as tokenizer_module
 from trainmesh.data.prepare import PrepareOptions, prepare
@@ -293,6 +295,29 @@ def test_an_interrupted_prepare_leaves_no_folder_behind(
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, text, shard_tokens=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_stop_signal_during_the_commit_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM (as the CLI installs it) or Ctrl-C between moving the old --out aside and renaming the new one
+    into place would lose both; they wait, and once the data is in place prepare finishes."""
+    run(tmp_path, text)
+    real = prepare_module.replace_folder
+
+    def signalled(*args: Any, **kwargs: Any) -> None:
+        signal.raise_signal(signal.SIGTERM)  # its handler would raise here, before anything is renamed
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "replace_folder", signalled)
+    with sigterm_raises(), caplog.at_level("WARNING", logger="trainmesh"):
+        run(tmp_path, text, force=True, val_fraction=0.1)
+    assert "SIGTERM arrived as" in caplog.text and json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+    with sigterm_raises(), pytest.raises(Terminated):  # anywhere else it stops prepare, which cleans up
+        monkeypatch.setattr(prepare_module, "build", lambda *args, **kwargs: signal.raise_signal(signal.SIGTERM))
+        run(tmp_path, text, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
 
 
 @pytest.mark.slow

@@ -7,8 +7,10 @@
     manifest.py    manifest.json: tokenizer, shards and their SHA-256, inputs and theirs, counts, options
 
 The output is built in a hidden staging folder beside `--out` and renamed into place when complete, so an
-interrupted run leaves no folder that looks prepared. The data is streamed end to end: memory does not grow
-with the corpus. The GPT recipe's text-file source tokenises through `build` too (data/corpus.py).
+interrupted run leaves no folder that looks prepared; Ctrl-C, and SIGTERM from the CLI (core/signals.py),
+remove the staging folder, and wait for the rename (or the removal) to finish if they arrive during it. The
+data is streamed end to end: memory does not grow with the corpus. The GPT recipe's text-file source
+tokenises through `build` too (data/corpus.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -28,8 +31,9 @@ import numpy as np
 from tqdm import tqdm
 
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import replace_folder, write_atomically
+from trainmesh.core.files import remove_tree, replace_folder, write_atomically
 from trainmesh.core.logging import get_logger
+from trainmesh.core.signals import signals_held
 from trainmesh.data.encode import available_cpus, encode_pieces
 from trainmesh.data.manifest import (
     MANIFEST,
@@ -107,6 +111,7 @@ def prepare(options: PrepareOptions) -> Prepared:
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     workers = options.workers or available_cpus()
     try:
+        remove_tree(staging)  # a leftover of a killed prepare that had this pid
         staging.mkdir()
         record = {
             "inputs": [str(p) for p in options.inputs],
@@ -128,9 +133,14 @@ def prepare(options: PrepareOptions) -> Prepared:
             progress=options.progress,
             record=record,
         )
-        _commit(staging, out, options.force, existed)
-    except BaseException:  # Ctrl-C included: no half-written folder stays behind
-        shutil.rmtree(staging, ignore_errors=True)
+        with signals_held() as stops:  # a stop waits until the old --out is replaced, or put back
+            _commit(staging, out, options.force, existed)
+            if stops:  # the data is complete and in place: stopping now would undo nothing
+                log.warning("%s arrived as %s was committed; it is complete", signal.Signals(stops[0]).name, out)
+                stops.clear()
+    except BaseException:  # Ctrl-C and SIGTERM (cli.py) included: no half-written folder stays behind
+        with signals_held():  # a second stop waits until the staging folder is gone
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return Prepared(out, manifest)
 

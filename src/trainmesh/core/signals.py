@@ -1,0 +1,70 @@
+"""Stop signals in a command that has nothing to save (`trainmesh data prepare`): stop at once, but let its
+cleanup and its commit run whole.
+
+Training handles SIGTERM by saving a checkpoint first (train/preemption.py). A command without a checkpoint
+just stops, like Ctrl-C: `sigterm_raises` makes SIGTERM raise `Terminated` in the main thread, as SIGINT
+raises KeyboardInterrupt, so that `except`/`finally` cleanup runs where the default action would end the
+process on the spot and leave its temporary files. `Terminated` is a BaseException, so that no
+`except Exception` mistakes it for an error of its own. Such a command exits with EXIT_TERMINATED.
+
+An exception can arrive between any two lines, so the few steps that must not be cut in half (moving a
+folder aside and another into place, removing a staging folder) run under `signals_held`: SIGINT and
+SIGTERM are recorded there and delivered again on leaving it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(BaseException):  # named as KeyboardInterrupt is: a stop, not an error
+    """SIGTERM arrived while `sigterm_raises` was installed."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    raise Terminated
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises `Terminated` in the main thread (elsewhere: nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM are recorded while inside and delivered again on leaving, to the handlers there
+    were before. The caller may clear the yielded list of recorded signals to drop them (the work they
+    would have stopped is done)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # handlers run in the main thread only
+        yield received
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        del frame
+        received.append(signum)
+
+    previous: dict[signal.Signals, Any] = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)  # the previous handler acts now: raises, or ends the process

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from trainmesh.core.errors import UserError
+from trainmesh.data import encode, textstream
 from trainmesh.data import split as split_module
-from trainmesh.data import textstream
 from trainmesh.data.prepare import Prepared, PrepareOptions, prepare
 from trainmesh.data.shards import ShardWriter
 from trainmesh.data.split import TrainValSplit
@@ -131,18 +131,41 @@ def test_a_prepared_folder_inside_an_input_folder_is_skipped_not_read_as_json_li
         run(tmp_path, tmp_path / "corpus" / "tokens", out="twice")
 
 
-def test_the_output_is_the_same_for_any_number_of_workers(tmp_path: Path) -> None:
+def test_the_output_is_the_same_for_any_number_of_workers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tasks and pieces are cut in this process: made small, there are dozens of tasks in flight in 3 workers,
+    so results taken back out of order would show (with the default 1 MiB there were two). Every file of the
+    folder, manifest.json included, is the same byte for byte."""
+    monkeypatch.setattr(encode, "TASK_CHARS", 20_000)
+    monkeypatch.setattr(textstream, "READ_BYTES", 8192)
+    monkeypatch.setattr(textstream, "PIECE_CHARS", 10_000)
+    monkeypatch.setattr(textstream, "SEARCH_CHARS", 2000)
+    monkeypatch.setattr(textstream, "MAX_PIECE_CHARS", 40_000)
+    tasks: list[int] = []
+    real_tasks = encode._tasks
+
+    def counted(pieces: Any) -> Any:
+        for task in real_tasks(pieces):
+            tasks.append(len(task.pieces))
+            yield task
+
+    monkeypatch.setattr(encode, "_tasks", counted)
     rng = np.random.default_rng(0)
-    words = np.array(["the", "data", "tokens", "shard", "\n", "é", "  ", "GPT-2", "2024", "!"])
-    for i in range(3):  # 3 documents of 0.6 MB: pieces and tasks of several documents
+    words = np.array(["the", "data", "tokens", "shard", "\n", "é", "  ", "GPT-2", "2024", "!", "end.\nNext"])
+    for i in range(3):  # 3 documents of 0.6 MB, cut into pieces
         (tmp_path / f"{i}.txt").write_text(" ".join(rng.choice(words, 120_000)))
-    inputs = [tmp_path / f"{i}.txt" for i in range(3)]
-    runs = [run(tmp_path, *inputs, out=f"w{w}/data", tokenizer="gpt2", shard_tokens=50_000, workers=w) for w in (1, 2)]
-    one, two = (r.manifest for r in runs)
-    assert len(one.train.shards) > 3 and one.val.tokens > 0
-    assert (one.train, one.val, one.sources) == (two.train, two.val, two.sources)
-    for shard in [*one.train.shards, *one.val.shards]:
-        assert (runs[0].folder / shard.file).read_bytes() == (runs[1].folder / shard.file).read_bytes()
+    lines = [json.dumps({"text": " ".join(rng.choice(words, int(n)))}) for n in rng.integers(1, 400, 600)]
+    (tmp_path / "short.jsonl").write_text("\n".join(lines))  # 600 documents, many to a task
+    inputs = [*(tmp_path / f"{i}.txt" for i in range(3)), tmp_path / "short.jsonl"]
+    folders = []
+    for w in (1, 3):
+        tasks.clear()
+        folders.append(run(tmp_path, *inputs, out=f"w{w}/data", tokenizer="gpt2", shard_tokens=50_000, workers=w))
+        assert len(tasks) > 48 and max(tasks) > 10, tasks
+    one, three = (done.folder for done in folders)
+    assert len(folders[0].manifest.train.shards) > 3 and folders[0].manifest.val.tokens > 0
+    assert sorted(os.listdir(one)) == sorted(os.listdir(three))
+    for name in os.listdir(one):
+        assert (one / name).read_bytes() == (three / name).read_bytes(), name
 
 
 def test_the_manifest_records_what_was_read_and_written(tmp_path: Path) -> None:

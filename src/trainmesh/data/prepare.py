@@ -119,8 +119,7 @@ def prepare(options: PrepareOptions) -> Prepared:
             "text_field": options.text_field,
             "val_fraction": options.val_fraction,
             "shard_tokens": options.shard_tokens,
-            "workers": workers,
-        }
+        }  # not the workers: the data is the same for any number, and so is the manifest
         manifest = build(
             sources,
             staging,

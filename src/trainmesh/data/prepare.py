@@ -61,7 +61,7 @@ class PrepareError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """`trainmesh data prepare`'s options (cli.py's flags of the same names)."""
+    """`trainmesh data prepare`'s options (the cli's flags of the same names)."""
 
     inputs: tuple[Path, ...]
     out: Path
@@ -137,7 +137,7 @@ def prepare(options: PrepareOptions) -> Prepared:
             if stops:  # the data is complete and in place: stopping now would undo nothing
                 log.warning("%s arrived as %s was committed; it is complete", signal.Signals(stops[0]).name, out)
                 stops.clear()
-    except BaseException:  # Ctrl-C and SIGTERM (cli.py) included: no half-written folder stays behind
+    except BaseException:  # Ctrl-C and SIGTERM (the cli's) included: no half-written folder stays behind
         with signals_held():  # a second stop waits until the staging folder is gone
             shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.schema import RUN_ID
-from trainmesh.core.dist import store_client
+from trainmesh.core.dist import current_env, store_client
 from trainmesh.core.env import DistEnv, launcher_rank
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging, get_logger
@@ -55,16 +55,20 @@ def run_worker(
     recipe: Recipe | None = None,
     before_teardown: Callable[[TrainResult], None] | None = None,
     launch_id: str | None = None,
+    env: DistEnv | None = None,
 ) -> TrainResult:
     """Train `config` (complete, from `trainmesh.job.load_config`) in this process as one rank of the job
-    described by the environment.
+    described by the environment, or of the process group that exists already (Ray Train's: adopted, and left
+    for its owner to destroy).
 
     `recipe` defaults to the built-in named by run.recipe; pass your own `Recipe` subclass to train it.
     `before_teardown` runs on every rank while the process group still exists, e.g. to gather a
     sharded (fsdp) model's full weights with DTensor.full_tensor(). `launch_id` is the id of the launch that
-    holds the run folder's lock (`trainmesh run` passes it); without it, rank 0 takes the lock.
+    holds the run folder's lock (`trainmesh run` passes it); without it, rank 0 takes the lock. `env`: this
+    process's place in the job, where its caller knows better (Ray Train's context knows the node-local ranks);
+    by default the existing process group's, else the environment's.
     """
-    env = DistEnv.from_environ()
+    env = env or current_env()  # a process group set up already (by Ray Train, say) is adopted: its rank and size
     job = resolve(config, env.world_size, recipe=recipe)  # the real world size, e.g. under srun
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     runtime = job.runtime(env)

@@ -52,6 +52,23 @@ def test_torchrun_wins_over_slurm() -> None:
     assert env.source == "torchrun"
 
 
+def test_an_existing_group_gives_rank_and_world_size() -> None:
+    """Ray Train's workers: torchrun's variables describe the group, and their node-local ranks are kept."""
+    ray = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0"}
+    env = DistEnv.from_process_group(5, 8, environ=ray)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.source) == (5, 1, 8, 4, "adopted")
+    assert env.master_addr == "n0"
+    # Variables that describe another group (or none) are not trusted: one node, unless told the local ranks.
+    env = DistEnv.from_process_group(3, 4, environ=ray)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 3, 4, 4)
+    env = DistEnv.from_process_group(3, 4, local_rank=1, local_world_size=2, environ={})
+    assert (env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == (1, 2, 1, 2)
+    with pytest.raises(ValueError, match="give both or neither"):
+        DistEnv.from_process_group(0, 2, local_rank=0, environ={})
+    with pytest.raises(ValueError, match="local rank 2 of 2"):
+        DistEnv.from_process_group(0, 2, local_rank=2, local_world_size=2, environ={})
+
+
 def test_bad_values_are_named() -> None:
     with pytest.raises(RuntimeError, match="RANK=2 is outside"):
         DistEnv.from_environ({"RANK": "2", "WORLD_SIZE": "2"})

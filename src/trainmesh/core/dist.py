@@ -72,6 +72,20 @@ def _mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
 
 
+def existing_group_env(local_rank: int | None = None, local_world_size: int | None = None) -> DistEnv | None:
+    """This process's coordinates in the default process group when somebody set one up already (Ray Train,
+    a user's script), None when there is none. Rank and world size are the group's; the node-local ones as
+    given, else as DistEnv.from_process_group finds them."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return DistEnv.from_process_group(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size)
+
+
+def current_env() -> DistEnv:
+    """Who this process is in the job: the existing default group's rank and size, else the environment's."""
+    return existing_group_env() or DistEnv.from_environ()
+
+
 def init_process_group(
     env: DistEnv,
     backend: str,
@@ -80,15 +94,29 @@ def init_process_group(
     required: bool = False,
     init_timeout_s: float = 300.0,
     debug: str = "off",
-) -> None:
-    """Join the job's process group, or fail within `init_timeout_s` saying what to check.
+) -> bool:
+    """Join the job's process group, or fail within `init_timeout_s` saying what to check; True when this
+    call created the group (its creator destroys it: `teardown`).
 
-    A single process needs none unless `required` (DDP insists on a group even for world size 1); it
-    then gets a private one on a free loopback port. `debug` sets TORCH_DISTRIBUTED_DEBUG: `detail`
-    checks that every rank calls the same collective with the same shapes.
+    A default group that exists already is adopted as it is (False): `env` must place this process in it as
+    the group does. A single process needs none unless `required` (DDP insists on a group even for world
+    size 1); it then gets a private one on a free loopback port. `debug` sets TORCH_DISTRIBUTED_DEBUG:
+    `detail` checks that every rank calls the same collective with the same shapes.
     """
-    if dist.is_initialized() or not (env.is_distributed or required):
-        return
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (env.rank, env.world_size) != (rank, world):
+            raise RuntimeError(
+                f"this process is rank {rank} of {world} in the process group that exists already, but was told "
+                f"it is rank {env.rank} of {env.world_size} ({env.source}). Fix: build the DistEnv from the group "
+                "(trainmesh.core.dist.existing_group_env()), or pass none."
+            )
+        log.debug("adopting the existing process group: rank %d of %d, backend %s", rank, world, dist.get_backend())
+        if device.type == "cuda":  # NCCL's collectives run on the current device, which its creator may not have set
+            torch.cuda.set_device(device)
+        return False
+    if not (env.is_distributed or required):
+        return False
     if env.source == "single":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -118,6 +146,26 @@ def init_process_group(
             f"(MASTER_ADDR/MASTER_PORT, firewalls); that all {env.world_size} processes of WORLD_SIZE were "
             "started, with distinct ranks; that the port is not used by another job."
         ) from e
+    return True
+
+
+def group_backend(requested: str, device: torch.device) -> str:
+    """The backend of a default group that exists already, which `requested` (dist.backend) must name."""
+    backend = str(dist.get_backend())  # "gloo", "nccl", or per device type: "cpu:gloo,cuda:nccl"
+    names = {part.rpartition(":")[2] for part in backend.split(",")}
+    if requested != "auto" and requested not in names:
+        raise ValueError(
+            f"dist.backend={requested!r}, but this process's process group was set up before trainmesh started "
+            f"(by Ray Train, say) with backend {backend!r}. Fix: --dist.backend=auto, or set the group up with "
+            f"{requested!r} (Ray Train: TorchConfig(backend={requested!r}))."
+        )
+    if device.type == "cuda" and "nccl" not in names:
+        log.warning(
+            "the existing process group's backend is %r: CUDA tensors are all-reduced through it, more slowly than "
+            "through NCCL (Ray Train: use_gpu=True, or TorchConfig(backend='nccl'))",
+            backend,
+        )
+    return backend
 
 
 def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client: bool = False) -> dist.Store:
@@ -184,7 +232,10 @@ def store_client(namespace: str, timeout_s: float = 60.0) -> dist.Store | None:
     """A new connection to this job's store, its keys under `namespace`; None without a process group."""
     if not dist.is_initialized():
         return None
-    env = DistEnv.from_environ()
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # set up by other means (tcp://, a file)
+        log.debug("no MASTER_ADDR/MASTER_PORT: the process group's store is not known, no store client (%s)", namespace)
+        return None
+    env = current_env()
     store = attempt_store(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env, timedelta(seconds=timeout_s), client=True
     )

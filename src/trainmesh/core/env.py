@@ -15,6 +15,9 @@ Precedence, first match wins:
 3. SLURM's (`srun python -m trainmesh ...`: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node list,
    whose first host becomes the master).
 4. Otherwise a single plain process (world size 1).
+
+Where a process group exists before trainmesh looks (Ray Train sets one up in each of its workers), rank and
+world size are the group's: `from_process_group`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import hostlist
 
@@ -87,7 +90,7 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
-    source: str  # "torchrun", "mpi", "slurm" or "single": where the values came from
+    source: str  # "torchrun", "mpi", "slurm", "single", or "adopted" (a process group that existed already)
 
     @property
     def node_rank(self) -> int:
@@ -116,6 +119,41 @@ class DistEnv:
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             return _from_slurm(env)
         return cls(0, 0, 1, 1, "127.0.0.1", _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT), "single")
+
+    @classmethod
+    def from_process_group(
+        cls,
+        rank: int,
+        world_size: int,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> DistEnv:
+        """This process in a process group that exists already (Ray Train, a user's script or a test set it up),
+        as rank `rank` of `world_size` (the group's own numbers, core.dist.existing_group_env).
+
+        The node-local coordinates are as given (Ray Train's context knows them); else the environment's when it
+        describes this very group (torchrun's variables, which Ray Train sets too); else those of one node.
+        """
+        try:
+            env = cls.from_environ(environ)
+        except (LauncherEnvError, ValueError):  # the group is what counts; variables that cannot be read describe none
+            env = cls(0, 0, 1, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
+        if local_rank is None and local_world_size is None:
+            if (env.rank, env.world_size) == (rank, world_size):
+                return replace(env, source="adopted")
+            local_rank, local_world_size = rank, world_size  # a group set up by hand, on one node
+        if local_rank is None or local_world_size is None:
+            raise ValueError(
+                f"local_rank={local_rank} and local_world_size={local_world_size}: give both or neither "
+                "(neither: taken from LOCAL_RANK/LOCAL_WORLD_SIZE when they describe the group)"
+            )
+        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+            raise ValueError(
+                f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size} on its node: need "
+                "0 <= rank < world size and 0 <= local rank < local world size <= world size"
+            )
+        return cls(rank, local_rank, world_size, local_world_size, env.master_addr, env.master_port, "adopted")
 
     def export(self) -> dict[str, str]:
         """The torchrun-style variables that `init_process_group(init_method='env://')` reads."""

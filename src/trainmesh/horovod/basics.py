@@ -19,11 +19,8 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.config.schema import DistConfig
-from trainmesh.core.dist import init_process_group, select_device, teardown
+from trainmesh.core.dist import existing_group_env, init_process_group, select_device, teardown
 from trainmesh.core.env import DistEnv
-from trainmesh.core.logging import get_logger
-
-log = get_logger(__name__)
 
 
 class ReduceOp(IntEnum):
@@ -75,10 +72,11 @@ def init(comm: object = None, process_sets: object = None) -> None:
         )
     if is_initialized():
         return
-    env = DistEnv.from_environ()
-    if dist.is_initialized():
-        _state.env, _state.owns_group = _adopted(env), False
+    adopted = existing_group_env()
+    if adopted is not None:
+        _state.env, _state.owns_group = adopted, False
         return
+    env = DistEnv.from_environ()
     device = select_device("auto", env)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     defaults = DistConfig()  # the same timeouts as trainmesh run's workers (dist.timeout_s, dist.init_timeout_s)
@@ -100,16 +98,6 @@ def _leave_at_exit() -> None:
 
     sys.excepthook = note_failure
     atexit.register(lambda: shutdown() if not _state.failed else None)
-
-
-def _adopted(env: DistEnv) -> DistEnv:
-    """Rank and size from the existing group; local coordinates from the environment when it describes
-    that group, else one node (a group set up by hand, without torchrun's variables)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if (env.rank, env.world_size) == (rank, world):
-        return env
-    log.debug("adopting a process group the environment does not describe: rank %d of %d on one node", rank, world)
-    return DistEnv(rank, rank, world, world, env.master_addr, env.master_port, "adopted")
 
 
 def shutdown() -> None:

@@ -1,6 +1,7 @@
 """`Runtime`: the one object a training loop talks to — the public library API of trainmesh.
 
-    rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group
+    rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group (or adopts
+                                                    # one set up already, e.g. by Ray Train)
                                                     # (trainmesh's worker: job.runtime(), see job.py)
     model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp)
     loader = rt.setup_dataloader(loader)            # each rank reads its own shard
@@ -27,6 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from trainmesh.config.schema import DistConfig, Float8Config, ParallelConfig
 from trainmesh.core.dist import (
+    current_env,
+    group_backend,
     init_process_group,
     seed_everything,
     select_backend,
@@ -107,15 +110,18 @@ class Runtime:
         if strategy is not None:
             parallel = replace(parallel, strategy=strategy)
         dist_config = dist or DistConfig()
-        self.env = env or DistEnv.from_environ()
+        self.env = env or current_env()  # a process group that exists already (Ray Train's) says who we are
         self.log = configure_logging(self.env.rank, self.env.world_size)
         layout = layout or resolve_parallelism(parallel, self.env.world_size)
         assert layout.dims.world_size == self.env.world_size, f"{layout} resolved for another world size"
         check_layout(parallel, layout, precision, float8)
         self.device = select_device(dist_config.device, self.env)
-        self.backend = select_backend(dist_config.backend, self.device)
+        if torch.distributed.is_initialized():  # adopted as it is: its backend must be what was asked for
+            self.backend = group_backend(dist_config.backend, self.device)
+        else:
+            self.backend = select_backend(dist_config.backend, self.device)
         self.precision: Precision = build_precision(precision, self.device, float8)
-        init_process_group(
+        self.owns_group = init_process_group(
             self.env,
             self.backend,
             self.device,
@@ -124,6 +130,8 @@ class Runtime:
             init_timeout_s=dist_config.init_timeout_s,
             debug=dist_config.debug,
         )
+        """Whether this Runtime created the process group (and destroys it in `teardown`); an adopted one is
+        left to whoever set it up (Ray Train destroys its own when the workers stop)."""
         self.strategy: Strategy = build_strategy(
             layout,
             env=self.env,
@@ -468,7 +476,9 @@ class Runtime:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def teardown(self, success: bool = True) -> None:
-        teardown(success)
+        """Leave the process group: destroy it when this Runtime created it (core.dist.teardown)."""
+        if self.owns_group:
+            teardown(success)
 
     def __enter__(self) -> Runtime:
         return self

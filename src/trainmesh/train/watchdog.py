@@ -91,7 +91,9 @@ class StallWatchdog:
         self._last_beat: float | None = None  # armed by the first beat, so compilation is not a stall
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="trainmesh-stall-watchdog", daemon=True)
-        self._main_ident = threading.main_thread().ident
+        # The thread that trains is the one that makes the watchdog: the main thread, except under Ray Train,
+        # which runs the training function in a thread of its own.
+        self._main_ident = threading.get_ident()
         self._stacks: IO[str] | None = None
 
     @classmethod

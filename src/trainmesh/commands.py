@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,7 @@ from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.metrics.trackers import check_installed
 from trainmesh.precision import check_precision_supported
 from trainmesh.recipes import get_recipe
-from trainmesh.rundir import (
-    CONFIG_FILE,
-    RunLock,
-    check_auto_resume,
-    claim_new_run_dir,
-    create_run_dir,
-    existing_run_dir,
-    new_job_id,
-    write_config,
-)
+from trainmesh.rundir import CONFIG_FILE, RunLock, check_auto_resume, new_job_id, take_run_dir, write_config
 
 log = logging.getLogger("trainmesh")
 
@@ -113,12 +105,7 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     if suffix and not run_id:
         run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
     auto = check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
-    if config.checkpoint.resume:
-        run_dir = existing_run_dir(out_dir, run_id)  # a misspelled --run-id is refused
-    elif run_id:
-        run_dir = create_run_dir(out_dir, run_id)
-    else:
-        run_dir = claim_new_run_dir(out_dir, config.run.recipe)
+    run_dir = take_run_dir(out_dir, run_id, config.run.recipe, config.checkpoint.resume)
     low, high = opts.node_bounds()
     # Membership changes restart every worker, and a node that did not fail (one joining, or its peers when a
     # job grows) keeps restart count 0: so every (re)start of an elastic job continues from the run's newest
@@ -137,14 +124,7 @@ def launch_into(opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, l
     """Hold `run_dir`'s lock, write (or, on a node that joins, match) the job's config there and launch its
     workers; the exit code for the CLI. `jobs`: the job at every world size the launch may run at, for the log;
     `launch_id`: the same on every node of a multi-node job."""
-    with RunLock(run_dir, launch_id) as lock:
-        if not job.resume and list_checkpoints(run_dir):
-            newest = list_checkpoints(run_dir)[-1].name
-            raise LaunchError(
-                f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
-                f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
-            )
-        config_path = _write_or_match_config(run_dir, job, joined=lock.joined)
+    with hold_run_dir(job, run_dir, launch_id) as config_path:
         if opts.logs.log_dir is None:  # every rank's output, kept in the run folder (a real folder inside it)
             logs_dir = str(make_dirs(run_dir, LOGS_DIR))
             opts = dataclasses.replace(opts, logs=dataclasses.replace(opts.logs, log_dir=logs_dir))
@@ -152,6 +132,21 @@ def launch_into(opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, l
             log.info("world size %d: %s", each.world_size, each.batch.describe())
         entry = ["trainmesh", job.config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
         return launch(opts, [*entry, "--job", launch_id], module=True, run_id=run_dir.name)
+
+
+@contextlib.contextmanager
+def hold_run_dir(job: Job, run_dir: Path, launch_id: str) -> Iterator[Path]:
+    """A launcher's hold on `run_dir` while its workers run: the folder's lock (which the workers' rank 0 joins
+    with `launch_id`), no checkpoints of another run there, and the job's config written (or, on a node that
+    joins, matched); yields the config's path."""
+    with RunLock(run_dir, launch_id) as lock:
+        if not job.resume and list_checkpoints(run_dir):
+            newest = list_checkpoints(run_dir)[-1].name
+            raise LaunchError(
+                f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
+                f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
+            )
+        yield _write_or_match_config(run_dir, job, joined=lock.joined)
 
 
 def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:

@@ -111,6 +111,16 @@ def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:
     raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
 
 
+def take_run_dir(out_dir: Path, run_id: str, recipe: str, resume: bool) -> Path:
+    """The folder a launch (or rank 0 without one) runs in: the existing one of the run to `resume` (a misspelled
+    name is refused), the one `run_id` names (created if missing), or a new one claimed here."""
+    if resume:
+        return existing_run_dir(out_dir, run_id)
+    if run_id:
+        return create_run_dir(out_dir, run_id)
+    return claim_new_run_dir(out_dir, recipe)
+
+
 def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
     return RunFolderError(
         f"cannot create the run folder under run.out_dir={str(out_dir)!r}: {error.strerror} ({error.filename}). "

@@ -32,11 +32,10 @@ from trainmesh.rundir import (
     RunFolderError,
     RunLock,
     check_auto_resume,
-    claim_new_run_dir,
     create_run_dir,
-    existing_run_dir,
     hold_as_worker,
     new_job_id,
+    take_run_dir,
     write_config,
 )
 from trainmesh.runtime.runtime import Runtime
@@ -141,13 +140,7 @@ def _take_run_dir(
             if run_dir is not None:  # named by the launcher (which made it) or the library's caller
                 run_dir = create_run_dir(run_dir.parent, run_dir.name)
             else:
-                out_dir = Path(config.run.out_dir)
-                if check_resume:
-                    run_dir = existing_run_dir(out_dir, config.run.id)
-                elif config.run.id:
-                    run_dir = create_run_dir(out_dir, config.run.id)
-                else:
-                    run_dir = claim_new_run_dir(out_dir, config.run.recipe)
+                run_dir = take_run_dir(Path(config.run.out_dir), config.run.id, config.run.recipe, check_resume)
             lock = RunLock(run_dir, launch_id or new_job_id())
             lock.acquire()  # with `launch_id`: joins the lock of the launcher that started this job
             outcome = (str(run_dir), "")

@@ -15,12 +15,24 @@ NPROC ?= auto
 GPU_PY ?= $(PY)
 GPU_OUT ?= runs/gpu-check
 
-.PHONY: run test lint typecheck unit bench gpu-check clean
+# test-ray runs the optional Ray Train tier (tests/ray_train: trainmesh inside TorchTrainer on a local 2-CPU Ray) in
+# a venv of its own, RAY_VENV, with the [ray] extra: Ray is large and trainmesh does not need it, so `make test`'s
+# venv stays without it and skips that tier.
+RAY_VENV ?= .venv-ray
+RAY_PY := $(RAY_VENV)/bin/python
+
+.PHONY: run test lint typecheck unit bench gpu-check test-ray clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+$(RAY_VENV)/.installed: pyproject.toml
+	test -x $(RAY_PY) || python3 -m venv $(RAY_VENV)
+	$(RAY_PY) -c "import torch" 2>/dev/null || $(RAY_PY) -m pip install -q $(TORCH_PIN)
+	$(RAY_PY) -m pip install -q -e ".[dev,ray]"
 	touch $@
 
 run: $(VENV)/.installed
@@ -36,6 +48,9 @@ typecheck: $(VENV)/.installed
 test: lint typecheck
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15
 
+test-ray: $(RAY_VENV)/.installed
+	OMP_NUM_THREADS=1 $(RAY_PY) -m pytest -q -rs --durations=5 tests/ray_train
+
 bench: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
 
@@ -48,4 +63,4 @@ gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)
 	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --json $(GPU_OUT)/gpu_gpt2.json $(GPU_BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(RAY_VENV) runs .pytest_cache .mypy_cache .ruff_cache

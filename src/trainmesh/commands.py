@@ -140,13 +140,18 @@ def hold_run_dir(job: Job, run_dir: Path, launch_id: str) -> Iterator[Path]:
     with `launch_id`), no checkpoints of another run there, and the job's config written (or, on a node that
     joins, matched); yields the config's path."""
     with RunLock(run_dir, launch_id) as lock:
-        if not job.resume and list_checkpoints(run_dir):
-            newest = list_checkpoints(run_dir)[-1].name
-            raise LaunchError(
-                f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
-                f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
-            )
+        refuse_other_runs_checkpoints(job, run_dir)
         yield _write_or_match_config(run_dir, job, joined=lock.joined)
+
+
+def refuse_other_runs_checkpoints(job: Job, run_dir: Path) -> None:
+    """A new run (not resuming) must start in a folder without checkpoints: they would collide with its own."""
+    if not job.resume and list_checkpoints(run_dir):
+        newest = list_checkpoints(run_dir)[-1].name
+        raise LaunchError(
+            f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
+            f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
+        )
 
 
 def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:

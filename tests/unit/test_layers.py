@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"job", "rundir", "launch", "reference"},
     {"plan", "schedulers"},  # predictions for a resolved job (`trainmesh plan`, check's memory line); job files
     {"worker", "commands", "horovodrun"},  # horovodrun: `trainmesh horovodrun`, mapped onto launch
-    {"bench", "parity"},  # commands built on `run` (commands.launch_into)
+    {"bench", "parity", "integrations"},  # built on `run` (commands); integrations: other launchers (Ray Train)
     {"cli", "__main__"},
 ]
 FACADE = "__init__"  # trainmesh/__init__.py names the public API lazily; nothing imports it but the CLI (--version)

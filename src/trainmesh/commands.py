@@ -24,7 +24,7 @@ from trainmesh.job import Job, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.metrics.trackers import check_installed
 from trainmesh.precision import check_precision_supported
-from trainmesh.recipes import get_recipe
+from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.rundir import CONFIG_FILE, RunLock, check_auto_resume, new_job_id, take_run_dir, write_config
 
 log = logging.getLogger("trainmesh")
@@ -58,9 +58,15 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 def check_launch(config: Config, opts: LaunchOptions) -> None:
     """Check the launch flags, the trackers' packages and the data (before anything is started or written)."""
     opts.check()
+    check_inputs(config)
+
+
+def check_inputs(config: Config, recipe: Recipe | None = None) -> None:
+    """What any launcher checks before it starts anything: the trackers' packages and the data (`recipe`: the
+    caller's own, else the built-in run.recipe names)."""
     check_installed(config.log)
     try:
-        get_recipe(config.run.recipe).check_data(config)
+        (recipe or get_recipe(config.run.recipe)).check_data(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

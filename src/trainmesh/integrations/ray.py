@@ -38,13 +38,13 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from trainmesh.checkpoint import list_checkpoints
-from trainmesh.commands import hold_run_dir, refuse_other_runs_checkpoints
+from trainmesh.commands import check_inputs, hold_run_dir, refuse_other_runs_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.dist import existing_group_env
 from trainmesh.core.logging import get_logger
 from trainmesh.job import Job, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
-from trainmesh.recipes import Recipe, get_recipe
+from trainmesh.recipes import Recipe
 from trainmesh.rundir import new_job_id, take_run_dir
 from trainmesh.worker import run_worker
 
@@ -68,10 +68,7 @@ class RayRun:
 def prepare(config: Config, num_workers: int, recipe: Recipe | None = None) -> tuple[Job, Path]:
     """On the driver, before Ray starts anything: the job resolved once for `num_workers` ranks (every check of
     `trainmesh check`), and its run folder (absolute: Ray's workers run in directories of their own), named."""
-    try:
-        (recipe or get_recipe(config.run.recipe)).check_data(config)
-    except ValueError as e:  # as `trainmesh run` reports it (commands.check_launch)
-        raise ConfigError(str(e)) from None
+    check_inputs(config, recipe)  # as `trainmesh run` does: the trackers' packages, the data
     job = resolve(config, num_workers, recipe=recipe)
     out_dir = Path(job.config.run.out_dir).absolute()
     run_dir = take_run_dir(out_dir, job.run_id, job.config.run.recipe, job.resume)

@@ -169,15 +169,20 @@ def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
     deadline = time.monotonic() + 30
     while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
         time.sleep(0.2)
-    ours = job.config_toml()
-    theirs = path.read_text() if path.is_file() else ""
+    # checkpoint.resume may differ: a node restarted later (--auto-resume) finds the checkpoints the first start
+    # had not made yet, and the workers agree on resuming among themselves.
+    ours, theirs = (_without_resume(text) for text in (job.config_toml(), path.read_text() if path.is_file() else ""))
     if theirs != ours:
-        diff = [line for line in ours.splitlines() if line not in theirs.splitlines()][:5]
+        diff = [line for line in ours if line not in theirs][:5]
         raise LaunchError(
             f"another node of this job wrote {path} with a different config (this node has: {'; '.join(diff)}). "
             "Fix: launch every node with the same --config and overrides."
         )
     return path
+
+
+def _without_resume(config_toml: str) -> list[str]:
+    return [line for line in config_toml.splitlines() if not line.startswith("resume = ")]
 
 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -173,3 +173,9 @@ def test_an_unknown_sink_is_refused_with_the_allowed_ones_and_the_fix() -> None:
         load_config(None, ["--log.sinks=wandb,wandb"], "gpt")
     with pytest.raises(ConfigError, match=r"log.tags: '-x' is not a tag"):
         load_config(None, ["--log.tags=-x"], "gpt")
+
+
+def test_a_tracking_uri_with_a_password_is_refused_before_it_is_written_anywhere() -> None:
+    with pytest.raises(ConfigError, match=r"log.mlflow_tracking_uri holds a password .* MLFLOW_TRACKING_PASSWORD"):
+        load_config(None, ["--log.mlflow_tracking_uri=https://me:s3cret@mlflow.example.com"], "gpt")
+    assert load_config(None, ["--log.mlflow_tracking_uri=https://mlflow.example.com"], "gpt").log.mlflow_tracking_uri

@@ -117,6 +117,9 @@ def test_the_default_name_is_a_dns_label(capsys: pytest.CaptureFixture[str]) -> 
         (["--gpus-per-node", "0"], "--gpus-per-node=0: must be at least 1"),
         (["--max-restarts", "-1"], "--max-restarts=-1: must be 0 or more"),
         (["--run-id", "x"], "named by --name"),
+        (["--namespace", "ns\nkind: Secret"], "expected a Kubernetes name"),  # no YAML key of its own
+        (["--namespace", "My_NS"], "--namespace='My_NS': expected a Kubernetes name"),
+        (["--pvc", "runs data"], "--pvc='runs data': expected a Kubernetes name"),
         (["--nodes", "3", "--", "--train.micro_batch=7"], "cannot be split evenly"),  # the config, at 24 ranks
     ],
 )

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -283,3 +284,19 @@ def test_torchrun_spellings_of_the_launch_flags_are_accepted(capsys: pytest.Capt
     multi = ["--standalone", "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29500"]
     assert main(["check", "gpt", "--nproc_per_node", "1", *multi]) == 2
     assert "--standalone is for one node" in capsys.readouterr().err
+
+
+def test_a_node_restarted_later_may_resume_where_the_first_start_did_not(tmp_path: Path) -> None:
+    """The nodes of one job compare their configs, except checkpoint.resume: a pod restarted after checkpoints
+    exist resumes (--auto-resume) while the config written by the first start says resume = false."""
+    from trainmesh.commands import _write_or_match_config
+    from trainmesh.job import load_config, resolve
+    from trainmesh.launch import LaunchError
+
+    def job(*overrides: str) -> Any:
+        return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)
+
+    _write_or_match_config(tmp_path, job(), joined=False)  # the first start writes resume = false
+    _write_or_match_config(tmp_path, job("--checkpoint.resume=true"), joined=True)
+    with pytest.raises(LaunchError, match=r"different config \(this node has: lr = 0.001\)"):
+        _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), joined=True)

@@ -116,6 +116,7 @@ def test_the_script_requeues_on_exit_75_only(
         (["--one-task-per-gpu", "--max-restarts", "1"], "--max-restarts restarts the processes of a node"),
         (["--partition", "a b"], "--partition='a b': expected a SLURM name"),
         (["--run-id", "../x"], "run.id='../x'"),
+        (["--python", "/usr/bin/python\ntouch /tmp/PWNED #"], "holds a control character"),  # no line of its own
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_printed(
@@ -125,6 +126,18 @@ def test_bad_flags_are_refused_before_anything_is_printed(
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert message in captured.err
+
+
+def test_a_working_folder_sbatch_cannot_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sbatch splits and unquotes #SBATCH lines itself: --chdir cannot hold a space or a quote."""
+    folder = tmp_path / "my runs" / "it's"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(folder)
+    assert main(["slurm", "gpt", "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "holds a space, a quote or a backslash" in captured.err
 
 
 def test_gpus_per_node_is_required(capsys: pytest.CaptureFixture[str]) -> None:

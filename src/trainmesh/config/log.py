@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 SINKS = ("tensorboard", "wandb", "mlflow")
 TRACKERS = ("wandb", "mlflow")
@@ -44,6 +45,12 @@ class LogConfig:
             raise ValueError(f"log.sinks={list(self.sinks)} names a sink twice; name each once")
         if not self.project.strip():
             raise ValueError("log.project is empty: give the wandb project / MLflow experiment, e.g. --log.project=gpt")
+        if urlsplit(self.mlflow_tracking_uri).password is not None:
+            raise ValueError(
+                "log.mlflow_tracking_uri holds a password (user:password@host); the config is written to the run "
+                "folder, the trackers and the logs. Fix: the URI without it, and the credentials in "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)."
+            )
         bad = [t for t in self.tags if not TAG.fullmatch(t)]
         if bad:
             raise ValueError(

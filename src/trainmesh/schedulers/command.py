@@ -90,4 +90,13 @@ def _require(value: object, flag: str, what: str) -> None:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    return shlex.join(getattr(args, "command_line", ["trainmesh", args.command]))
+    """The command as typed, for the job file's first comment: refused when an argument holds a control character
+    (a newline would end the comment and run the rest as a line of the script, or add keys to the YAML)."""
+    words = getattr(args, "command_line", ["trainmesh", args.command])
+    for word in words:
+        if any(ord(c) < 32 or ord(c) == 127 for c in word):
+            raise SchedulerError(
+                f"argument {word!r} holds a control character (a newline, a tab...): in the job file it would end a "
+                "line and start another. Fix: remove it."
+            )
+    return shlex.join(words)

@@ -34,6 +34,7 @@ JOBSET_PORT = 29500
 JOBSET_JOB = "node"  # the replicated job's name: pods are <name>-node-0-<index>
 KINDS = ("pytorchjob", "jobset")
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a DNS-1035 label, as both operators require
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")  # namespaces and claims: DNS-1123 names
 NAME_MAX = 40  # pod names add up to 23 characters (`-node-0-<index>`), and a label is at most 63
 
 
@@ -67,6 +68,12 @@ class K8sJob:
                 f"--name={self.name!r}: expected a DNS label (lower-case letters, digits and '-', starting with a "
                 f"letter) of at most {NAME_MAX} characters: pod and service names are built from it"
             )
+        for flag, value in (("--namespace", self.namespace), ("--pvc", self.pvc)):
+            if value is not None and (not _DNS_NAME.fullmatch(value) or len(value) > 253):
+                raise SchedulerError(
+                    f"{flag}={value!r}: expected a Kubernetes name (lower-case letters, digits, '-' and '.', starting "
+                    "and ending with a letter or digit)"
+                )
         if not self.image or any(c.isspace() for c in self.image):
             raise SchedulerError(f"--image={self.image!r}: expected a container image with trainmesh installed")
         positive(self.nodes, "--nodes")

@@ -77,6 +77,12 @@ class SlurmJob:
             raise SchedulerError(
                 f"--job-name={self.job_name!r}: expected letters, digits, '.', '_' and '-', at most 64 characters"
             )
+        if re.search(r"[\s'\"\\]", self.workdir):
+            raise SchedulerError(
+                f"the working folder {self.workdir!r} holds a space, a quote or a backslash, which sbatch's reading of "
+                "#SBATCH --chdir cannot take (it splits and unquotes the line itself). Fix: run `trainmesh slurm` from "
+                "a folder whose path has none, or make a symlink to this one without them and run it from there."
+            )
         if self.max_restarts and self.one_task_per_gpu:
             raise SchedulerError(
                 "--max-restarts restarts the processes of a node through torchrun's agent, which "

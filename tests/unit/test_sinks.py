@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from trainmesh.metrics import sinks
 from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, Outcome, Sink, Tracker, read_metrics
 
 
@@ -98,3 +101,25 @@ def test_closing_twice_closes_once(tmp_path: Path) -> None:
     writer.close("failed")
     writer.close("finished")  # the loop's own close after train()'s failure path: nothing more happens
     assert sink.outcome == "failed"
+
+
+def test_a_tracker_that_hangs_at_the_end_is_left_behind_after_its_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped run has seconds before it is killed: closing waits for a hung tracker only so long."""
+    release = threading.Event()
+
+    class Hung(Recorder):
+        def close(self, outcome: Outcome) -> None:
+            release.wait(60)  # an MLflow server that does not answer retries for minutes
+
+    monkeypatch.setitem(sinks.TRACKER_CLOSE_S, "stopped", 0.5)
+    writer = MetricsWriter(tmp_path, tensorboard=False, trackers=[Tracker("mlflow", Hung)])
+    _write_steps(writer, range(1, 3))
+    started = time.monotonic()
+    writer.close("stopped")
+    assert time.monotonic() - started < 10  # patience 5 s, limit 0.5 s: not the 60 s of the hang
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("gave up waiting for mlflow after 0.5 s") for w in warnings), warnings
+    release.set()

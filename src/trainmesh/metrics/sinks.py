@@ -29,6 +29,8 @@ from trainmesh.core.logging import get_logger
 log = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TRACKER_CLOSE_S: dict[str, float] = {"finished": 120.0, "stopped": 10.0, "failed": 10.0}
+"""How long the end of a run waits for its trackers to finish sending, by outcome."""
 PLOT_FILE = "loss.png"
 
 Outcome = Literal["finished", "stopped", "failed"]
@@ -119,15 +121,22 @@ class _Feeder:
     def put(self, step: int, metrics: dict[str, float], kind: str) -> None:
         self._queue.put((step, metrics, kind))
 
-    def close(self, outcome: Outcome, patience_s: float = 0.0) -> None:
-        """Write everything queued, close the sinks; wait for the thread (saying so after `patience_s`)."""
+    def close(self, outcome: Outcome, patience_s: float = 0.0, limit_s: float | None = None) -> None:
+        """Write everything queued, close the sinks; wait for the thread (saying so after `patience_s`), at most
+        `limit_s` (None: until it is done), after which it is left behind, with a warning."""
         self._outcome = outcome
         self._queue.put(None)
         if patience_s:
             self._thread.join(patience_s)
             if self._thread.is_alive():
                 log.info("waiting for %s to finish sending the metrics", " and ".join(self.names))
-        self._thread.join()
+        self._thread.join(limit_s)
+        if self._thread.is_alive():
+            log.warning(
+                "gave up waiting for %s after %g s: the last metrics of this run may be missing there",
+                " and ".join(self.names),
+                limit_s,
+            )
 
     def _drain(self, trackers: Sequence[Tracker]) -> None:
         for tracker in trackers:
@@ -207,7 +216,9 @@ class MetricsWriter:
         except OSError as e:
             log.error("could not finish the metrics files in %s: %s", self.run_dir, e)
         if self._trackers is not None:  # last: a tracker may take a while to upload what it buffered
-            self._trackers.close(outcome, patience_s=5.0)
+            # bounded: a tracker server that does not answer must not hold the ranks past their stop window (a
+            # preempted job has seconds) or past the collective timeout of the barrier that follows
+            self._trackers.close(outcome, patience_s=5.0, limit_s=TRACKER_CLOSE_S[outcome])
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -146,29 +146,46 @@ def stop_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 
 
 @pytest.mark.parametrize(
-    ("sig", "code", "said"),
+    ("sig", "code", "said", "group", "workers"),
     [
-        (signal.SIGTERM, 75, "preemption requested (SIGTERM): stopping at step"),
-        (signal.SIGINT, 130, "Ctrl-C: stopping at step"),
+        (signal.SIGTERM, 75, "preemption requested (SIGTERM): stopping at step", False, 0),
+        (signal.SIGINT, 130, "Ctrl-C: stopping at step", False, 0),
+        # As SLURM's time limit sends it: to every process of the job, DataLoader workers included.
+        (signal.SIGTERM, 75, "preemption requested (SIGTERM): stopping at step", True, 1),
     ],
-    ids=["sigterm", "ctrl-c"],
+    ids=["sigterm", "ctrl-c", "sigterm-to-every-process-with-loader-workers"],
 )
 def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
-    sig: signal.Signals, code: int, said: str, stop_reference: tuple[Path, dict[str, torch.Tensor]]
+    sig: signal.Signals,
+    code: int,
+    said: str,
+    group: bool,
+    workers: int,
+    stop_reference: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
     """Preemption (SIGTERM) or Ctrl-C (SIGINT, to the launcher as a terminal sends it): every rank stops at the
     same step, saves, exits (75, 130) without a traceback; `--resume` then ends bit for bit where an
-    uninterrupted run ends."""
+    uninterrupted run ends. `group`: the signal goes to the launcher's whole process group, so DataLoader
+    worker processes (`workers` per rank) get it too; they must not die of it."""
     root, reference = stop_reference
-    name = f"stop-{sig.name}"
+    name = f"stop-{sig.name}-{workers}"
+    overrides = [*STOP, f"--data.num_workers={workers}"]
     job = subprocess.Popen(
-        _command(root, name, restarts=0, overrides=STOP), cwd=root, env=_env(), stderr=subprocess.PIPE, text=True
+        _command(root, name, restarts=0, overrides=overrides),
+        cwd=root,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=group,
     )
     metrics = root / "runs" / name / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 10):
         time.sleep(0.2)  # until training is well under way
-    job.send_signal(sig)
+    if group:
+        os.killpg(job.pid, sig)
+    else:
+        job.send_signal(sig)
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == code, stderr[-3000:]
     stopped = latest_checkpoint(root / "runs" / name)
@@ -176,12 +193,12 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
     assert said in stderr and f"Continue with: --resume --run-id {name}" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
     if sig == signal.SIGINT:  # while here: a resume with another model is refused, plainly, on every rank
-        other = _train(root, name, "--resume", restarts=0, overrides=[*STOP, "--model.n_layer=3"])
+        other = _train(root, name, "--resume", restarts=0, overrides=[*overrides, "--model.n_layer=3"])
         assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
         refused = "holds a different model; nothing was loaded"  # said by every rank, rank 1 in its log file
         assert refused in other.stderr, other.stderr[-3000:]
         assert refused in rank_output(root / "runs" / name / "logs", 1)
-    resumed = _train(root, name, "--resume", restarts=0, overrides=STOP)
+    resumed = _train(root, name, "--resume", restarts=0, overrides=overrides)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {stopped}" in resumed.stderr
     final = read_full_state(latest_checkpoint(root / "runs" / name))  # type: ignore[arg-type]

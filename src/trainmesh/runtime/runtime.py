@@ -42,6 +42,7 @@ from trainmesh.core.dist import (
 from trainmesh.core.env import DistEnv
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import configure_logging
+from trainmesh.data.workers import worker_init
 from trainmesh.precision import Precision, build_precision
 from trainmesh.strategies import Layout, ParallelPlan, Strategy, build_strategy, check_layout, resolve_parallelism
 from trainmesh.strategies.base import Objective
@@ -309,7 +310,7 @@ class Runtime:
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
             drop_last=loader.drop_last,
-            worker_init_fn=loader.worker_init_fn,
+            worker_init_fn=worker_init(loader.worker_init_fn),  # workers leave SIGTERM/SIGINT to the rank
             persistent_workers=loader.persistent_workers,
         )
 

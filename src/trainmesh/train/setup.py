@@ -23,6 +23,7 @@ from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro_batches, position_at_step
+from trainmesh.data.workers import worker_init
 from trainmesh.faults import FaultPlan
 from trainmesh.metrics.mfu import Peak, device_peak
 from trainmesh.metrics.sinks import MetricsWriter
@@ -94,6 +95,7 @@ def set_up(
         train_set,
         batch_sampler=sampler,
         num_workers=config.data.num_workers,
+        worker_init_fn=worker_init(),  # workers ignore SIGTERM/SIGINT: this process stops at a step boundary
         pin_memory=runtime.device.type == "cuda",
         # Its own generator: creating the iterator would otherwise draw from the global RNG, shifting
         # the dropout stream between a fresh run and a resumed one.

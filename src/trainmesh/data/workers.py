@@ -1,0 +1,37 @@
+"""DataLoader worker processes: the training process owns shutdown.
+
+A preemption's SIGTERM reaches every process of the job (SLURM signals the whole job step; torchrun's agent
+signals each worker's process group), DataLoader workers included. Left to the default handler, a worker dies
+and the rank fails ("DataLoader worker (pid ...) is killed by signal: Terminated") before it reaches the step
+boundary where it would save. So workers ignore SIGTERM and SIGINT: the training process stops at a step
+boundary and torch's loader ends its workers when the iterator goes away (or they notice their parent is gone).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+
+def ignore_stop_signals() -> None:
+    """Make this process ignore SIGTERM and SIGINT (SIGKILL still ends it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class WorkerInit:
+    """A DataLoader `worker_init_fn`: ignore the stop signals, then run `then` (the loader's own, if any).
+    A class rather than a closure so it pickles for the spawn start method."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_stop_signals()
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def worker_init(then: Callable[[int], None] | None = None) -> WorkerInit:
+    """`then` wrapped so workers ignore the stop signals first; wrapping twice adds nothing."""
+    return then if isinstance(then, WorkerInit) else WorkerInit(then)

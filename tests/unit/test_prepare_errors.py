@@ -321,6 +321,50 @@ def test_a_stop_signal_during_the_commit_waits_for_it(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("at", ["submit", "result"])
+def test_a_stop_inside_the_pools_calls_waits_for_its_shutdown(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, at: str
+) -> None:
+    """Terminated raised between two lines of concurrent.futures (a task registered but not yet queued) left
+    the pool's shutdown waiting forever: a SIGTERM'd prepare hung in CI. A stop is held while the pool runs
+    one of its calls, acted on between them, and delivered once the pool is shut down."""
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    from trainmesh.data import encode
+
+    events: list[str] = []
+    calls = {"submit": 0, "result": 0}
+
+    def signalled(name: str, real: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            if name != at or calls[name] != 3:
+                return real(self, *args, **kwargs)
+            events.append("signalled")
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside the pool's call
+            returned = real(self, *args, **kwargs)
+            events.append("returned")
+            return returned
+
+        return call
+
+    def shutdown(self: ProcessPoolExecutor, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        real_shutdown(self, wait, cancel_futures=cancel_futures)
+        events.append(f"shutdown, cancel_futures={cancel_futures}")
+
+    real_shutdown = ProcessPoolExecutor.shutdown
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", signalled("submit", ProcessPoolExecutor.submit))
+    monkeypatch.setattr(Future, "result", signalled("result", Future.result))
+    monkeypatch.setattr(ProcessPoolExecutor, "shutdown", shutdown)
+    monkeypatch.setattr(encode, "TASK_CHARS", 100)  # a task per document: enough for a few submits and results
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    with sigterm_raises(), pytest.raises(Terminated):
+        prepare(PrepareOptions((documents,), tmp_path / "out", workers=2, progress=False))
+    assert events == ["signalled", "returned", "shutdown, cancel_futures=True"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["documents.jsonl"]
+
+
 def test_memory_stays_flat_on_a_corpus_larger_than_the_memory_cap(tmp_path: Path) -> None:
     """300 MiB of text through 2 workers in a process whose data segment may not exceed 160 MiB: the text is
     streamed, never held (the prepare modules import no torch, so the process stays small).

@@ -27,11 +27,13 @@ from typing import NamedTuple
 import numpy as np
 
 from trainmesh.core.errors import UserError
+from trainmesh.core.signals import signals_held
 from trainmesh.data.textstream import Piece
 from trainmesh.data.tokenizer import Tokenizer, get_tokenizer
 
 TASK_CHARS = 1 << 20
 IN_FLIGHT_PER_WORKER = 2
+STOP_POLL_SECONDS = 0.1
 
 
 class WorkerDiedError(UserError, RuntimeError):
@@ -67,20 +69,8 @@ def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) ->
         for task in tasks:
             yield encode_task(tokenizer, task)
         return
-    context = multiprocessing.get_context("spawn")
     try:
-        with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,)) as pool:
-            in_flight: deque[Future[Encoded]] = deque()
-            try:
-                for task in tasks:
-                    in_flight.append(pool.submit(_encode_in_worker, task))
-                    if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
-                        yield in_flight.popleft().result()
-                while in_flight:
-                    yield in_flight.popleft().result()
-            finally:  # on an error or Ctrl-C: drop the queued tasks instead of finishing them
-                for future in in_flight:
-                    future.cancel()
+        yield from _encode_in_pool(tasks, tokenizer_name, workers)
     except BrokenProcessPool as e:
         raise WorkerDiedError(
             f"a tokenising worker process died before returning its result ({str(e).rstrip('.')}). Likely causes: "
@@ -91,6 +81,45 @@ def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) ->
             'or --workers=1 (tokenise in this process); put the call under if __name__ == "__main__":; register '
             "the tokenizer at a module's top level."
         ) from None
+
+
+class _Stopped(Exception):
+    """A stop signal was recorded while the pool was in use."""
+
+
+def _encode_in_pool(tasks: Iterator[Task], tokenizer_name: str, workers: int) -> Iterator[Encoded]:
+    """A stop signal (Ctrl-C, SIGTERM) is held while the pool is in use and acted on between its calls, then
+    delivered once the pool is shut down. Raised inside one of them (an exception between any two lines of
+    concurrent.futures), it could leave a task registered but never queued, or a lock taken, and the shutdown
+    would wait for that task forever: a SIGTERM'd prepare hung in CI that way."""
+    with signals_held() as stops:
+        context = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,))
+        try:
+            in_flight: deque[Future[Encoded]] = deque()
+            for task in tasks:
+                if stops:
+                    return
+                in_flight.append(pool.submit(_encode_in_worker, task))
+                if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                    yield _result(in_flight.popleft(), stops)
+            while in_flight:
+                yield _result(in_flight.popleft(), stops)
+        except _Stopped:
+            return
+        finally:  # also on an error or a stop: queued tasks are dropped, the running ones end
+            pool.shutdown(wait=True, cancel_futures=True)
+    if stops:  # here only if the stop's handler recorded it without raising: the tokens are not all there
+        raise RuntimeError(f"tokenising was stopped by {signal.Signals(stops[0]).name}")
+
+
+def _result(future: Future[Encoded], stops: list[int]) -> Encoded:
+    while True:
+        try:
+            return future.result(timeout=STOP_POLL_SECONDS)
+        except TimeoutError:
+            if stops:
+                raise _Stopped from None
 
 
 def encode_task(tokenizer: Tokenizer, task: Task) -> Encoded:

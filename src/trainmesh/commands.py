@@ -49,6 +49,7 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
         join_timeout_s=args.join_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         rdzv_conf=args.rdzv_conf,
         standalone=args.standalone,
         logs=LogSettings(args.log_dir, args.redirects, args.tee, args.local_ranks_filter),

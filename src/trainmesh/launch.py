@@ -31,6 +31,7 @@ from torch.distributed.launcher.api import elastic_launch
 from trainmesh.core.dist import is_loopback, loopback_store
 from trainmesh.core.env import free_port
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR, UserError
+from trainmesh.core.exit_records import ExitRecord, read_records, records_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.rank_logs import NO_LOG_DIR, PREFIX, STDERR, LogSettings, RankLogs, claim_launch_folder, tail
 
@@ -63,6 +64,9 @@ class LaunchOptions:
     max_restarts: int = 0
     join_timeout_s: int = 300
     """How long the nodes may take to meet (rendezvous) before the launch fails."""
+    shutdown_timeout_s: int | None = None
+    """torchrun's --shutdown-timeout: how long the agent, once signalled, waits for the workers to stop (save a
+    checkpoint) before it SIGKILLs them. None: torchrun's default (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)."""
     rdzv_conf: str | None = None
     """More c10d rendezvous settings, KEY=VALUE[,KEY=VALUE] (torchrun's --rdzv-conf), e.g. last_call_timeout=5."""
     standalone: bool = False
@@ -118,6 +122,8 @@ class LaunchOptions:
             )
         if self.join_timeout_s < 1:
             raise LaunchError(f"--join-timeout={self.join_timeout_s}: must be at least 1 (seconds)")
+        if self.shutdown_timeout_s is not None and self.shutdown_timeout_s < 1:
+            raise LaunchError(f"--shutdown-timeout={self.shutdown_timeout_s}: must be at least 1 (seconds)")
         try:
             self.logs.check(self.nproc())
         except ValueError as e:
@@ -163,6 +169,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str], module: bool, log_folde
     this launch's folder of per-rank logs (launch() claims it when opts.logs keeps them)."""
     opts.check()
     argv = [f"--nproc-per-node={opts.nproc()}", f"--nnodes={opts.nnodes}", f"--max-restarts={opts.max_restarts}"]
+    argv += [f"--shutdown-timeout={opts.shutdown_timeout_s}"] if opts.shutdown_timeout_s is not None else []
     given = opts.logs if log_folder else dataclasses.replace(opts.logs, log_dir=NO_LOG_DIR)  # no folder: torchrun's
     redirects, tee, shown = given.torchrun_flags()
     argv += [f"--log-dir={log_folder}"] if log_folder else []
@@ -239,26 +246,66 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
             f"local rank {shown}" if shown else "every rank",
         )
     try:
-        with _agent_environment(opts):
-            _run_agent(argv, logs)
+        with _agent_environment(opts), records_folder() as records:
+            try:
+                _run_agent(argv, logs)
+            except SignalException as e:  # the agent forwarded it to the workers and waited for them
+                return _report_stop(signal.Signals(e.sigval), read_records(records) if run_id else None, opts, run_id)
     except (DistError, RendezvousError) as e:  # the nodes could not meet: say what to check
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
-    except SignalException as e:  # the agent forwarded it to the workers and waited for them
-        again = f"--resume --run-id {run_id}" if run_id else "--resume"
-        if e.sigval in (signal.SIGTERM, signal.SIGINT):
-            what = "SIGTERM" if e.sigval == signal.SIGTERM else "Ctrl-C"
-            log.warning(
-                "%s: workers that were training stopped at a step boundary with a checkpoint. Continue with: %s",
-                what,
-                again,
-            )
-            return EXIT_PREEMPTED if e.sigval == signal.SIGTERM else EXIT_INTERRUPTED
-        log.error("stopped by %s", signal.Signals(e.sigval).name)
-        return 128 + int(e.sigval)
     except ChildFailedError as e:
         return _report_failure(e, logs)
     return 0
+
+
+STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
+"""What a worker exits with when it stopped at a step boundary, with a checkpoint, on that signal."""
+
+
+def _report_stop(
+    sig: signal.Signals, records: dict[int, ExitRecord] | None, opts: LaunchOptions, run_id: str | None
+) -> int:
+    """The exit code after the agent was signalled and shut its workers down. `records`: by local rank, the
+    exit codes trainmesh's workers recorded (None: the entry is a script, whose codes are its own). A stop with
+    a checkpoint (its code: 75 or 130) is claimed only when every rank on this node says so; else 128 + the
+    signal's number, as a process the signal ended."""
+    stopped = STOP_CODES.get(sig)
+    name = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    if stopped is None or records is None:
+        log.error("stopped by %s (forwarded to the ranks, which had --shutdown-timeout to end)", name)
+        return 128 + int(sig)
+    again = f"--resume --run-id {run_id}"
+    if not records:
+        log.warning("%s before any rank started: nothing to save. Continue with: %s", name, again)
+        return stopped
+    if len(records) == opts.nproc():
+        if all(r.stopped_with_checkpoint and r.exit_code == stopped for r in records.values()):
+            log.warning("%s: every rank stopped at a step boundary with a checkpoint. Continue with: %s", name, again)
+            return stopped
+        if all(r.exit_code == 0 for r in records.values()):  # they had finished as the signal came
+            log.warning("%s after every rank had finished", name)
+            return 0
+    for local_rank in range(opts.nproc()):
+        record = records.get(local_rank)
+        if record is None:
+            log.error("%s: local rank %d had not started", name, local_rank)
+        elif record.exit_code is None:
+            log.error(
+                "%s: rank %d did not stop with a checkpoint: it recorded no exit code (it crashed: see its log; or "
+                "it did not stop within the agent's --shutdown-timeout and was SIGKILLed)",
+                name,
+                record.rank,
+            )
+        elif not record.stopped_with_checkpoint or record.exit_code != stopped:
+            saved = "" if record.exit_code == stopped else f": {_describe(record.exit_code, '')}"
+            log.error("%s: rank %d did not stop with a checkpoint%s", name, record.rank, saved)
+    log.error(
+        "%s: not every rank stopped with a checkpoint; %s continues from the newest committed checkpoint, if any",
+        name,
+        again,
+    )
+    return 128 + int(sig)  # not the stop code: a scheduler requeues on that one
 
 
 def _claim_logs(opts: LaunchOptions) -> RankLogs | None:

@@ -24,6 +24,7 @@ from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import current_env, store_client
 from trainmesh.core.env import DistEnv, launcher_rank
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from trainmesh.core.exit_records import record_exit, record_start
 from trainmesh.core.logging import configure_logging, get_logger
 from trainmesh.faults import FaultPlan
 from trainmesh.job import Job, load_config, resolve
@@ -193,6 +194,14 @@ def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 @record  # torchrun reports the rank and traceback of a failed worker from this
 def main(argv: list[str] | None = None) -> int:
+    record_start()  # for the launcher's report after a stop (core/exit_records.py)
+    code, saved = _main(argv)
+    record_exit(code, stopped_with_checkpoint=saved)
+    return code
+
+
+def _main(argv: list[str] | None) -> tuple[int, bool]:
+    """The exit code, and whether the rank stopped at a step boundary with a checkpoint (on SIGTERM or Ctrl-C)."""
     args, overrides = parse_worker_args(sys.argv[1:] if argv is None else argv)
     configure_logging(launcher_rank())  # torchrun's, MPI's or SLURM's: only rank 0 logs at INFO
     try:
@@ -208,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_worker(config, run_dir, launch_id=args.job)
     except UserError as e:
         log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR, False
     except KeyboardInterrupt:
         log.warning("stopped by Ctrl-C before a step boundary: nothing was saved by this attempt")
-        return EXIT_INTERRUPTED
-    return result.exit_code
+        return EXIT_INTERRUPTED, False
+    return result.exit_code, result.preempted
 
 
 if __name__ == "__main__":

@@ -331,3 +331,30 @@ def test_a_full_disk_during_an_async_save_fails_every_rank_alike_and_keeps_the_p
     checkpoints = list_checkpoints(run_dir)
     assert [p.name for p in checkpoints] == ["step_00000002"] and verify(checkpoints[0]).ok
     assert not list((run_dir / "checkpoints").glob("step_00000004*"))  # nothing half-written is left
+
+
+def test_a_rank_that_cannot_stop_in_time_makes_the_stop_a_failure_that_names_it(tmp_path: Path) -> None:
+    """After SIGTERM the launcher exits 75 ("stopped with a checkpoint": the sbatch script requeues on it) only
+    when every rank says so. Rank 1 hangs holding the GIL, so it cannot act on the signal (nor can rank 0, which
+    waits for it in a collective); the agent SIGKILLs both after --shutdown-timeout, and the launcher says
+    which ranks did not stop and exits 143."""
+    name = "cannot-stop"
+    job = subprocess.Popen(
+        _command(tmp_path, name, "--shutdown-timeout", "2", restarts=0, overrides=STOP),
+        cwd=tmp_path,
+        env=_env("rank=1,step=2,kind=hang"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fired = tmp_path / "runs" / name / ".faults" / "0"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not fired.exists() and job.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the sleep
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 143, stderr[-3000:]
+    for rank in (0, 1):
+        assert f"SIGTERM: rank {rank} did not stop with a checkpoint: it recorded no exit code" in stderr, stderr
+    assert "not every rank stopped with a checkpoint; --resume --run-id cannot-stop continues" in stderr
+    assert "every rank stopped at a step boundary" not in stderr

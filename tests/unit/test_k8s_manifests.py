@@ -65,7 +65,10 @@ def test_pytorchjob(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         "--run-id",
         "gpt2",
         "--auto-resume",
+        "--shutdown-timeout",  # the ranks' time to save after a SIGTERM: the pod's grace period less a margin
+        "105",
     ]  # nodes, rendezvous and restarts: from the operator's PET_ variables
+    assert worker["template"]["spec"]["terminationGracePeriodSeconds"] == 120
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts == {"config": "/etc/trainmesh", "shm": "/dev/shm", "runs": "/runs"}
     volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
@@ -100,6 +103,18 @@ def test_jobset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     }
     assert container["ports"] == [{"containerPort": 29500}]
     assert container["command"][:3] == ["trainmesh", "run", "gpt"] and "--auto-resume" in container["command"]
+    assert container["command"][-2:] == ["--shutdown-timeout", "105"]
+    assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "jobset"])
+def test_the_grace_period_and_the_agents_shutdown_timeout_match(capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """Kubernetes SIGKILLs a pod terminationGracePeriodSeconds after its SIGTERM; torchrun's agent must give its
+    ranks most of that to save (not its default 30 s), and give up before Kubernetes does."""
+    docs = _manifests(capsys, "--kind", kind, "--grace-seconds", "600")
+    text = yaml.safe_dump(docs[1])
+    assert "terminationGracePeriodSeconds: 600" in text
+    assert "- --shutdown-timeout\n" in text and "- '585'" in text
 
 
 def test_the_default_name_is_a_dns_label(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,15 +2,28 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import Std
 
+from trainmesh.cli.flags import build_parser, split_recipe_args
+from trainmesh.commands import launch_options
+from trainmesh.core import exit_records
+from trainmesh.core.exit_records import ExitRecord, read_records, record_exit, record_start, records_folder
 from trainmesh.core.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
-from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
+from trainmesh.launch import (
+    NO_SHARED_STORE,
+    LaunchError,
+    LaunchOptions,
+    _agent_environment,
+    _report_stop,
+    torchrun_argv,
+)
 
 
 def test_single_node_uses_loopback_and_a_free_port() -> None:
@@ -149,3 +162,74 @@ def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path) -> No
 def test_the_tail_of_a_log_is_its_last_lines(tmp_path: Path) -> None:
     (tmp_path / "stderr.log").write_text("".join(f"line {i}\n" for i in range(100_000)))  # longer than it reads
     assert tail(tmp_path / "stderr.log", 3) == "line 99997\nline 99998\nline 99999"
+
+
+def test_the_shutdown_timeout_reaches_torchruns_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--shutdown-timeout (the sbatch script and the pods pass it): how long the agent waits, after a SIGTERM, for
+    its ranks to save before it SIGKILLs them. Left out: torchrun's default, which TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    sets."""
+    parser = build_parser()
+    args = parser.parse_args(["run", "gpt", "--nnodes", "1", "--shutdown-timeout", "105"])  # as the sbatch script
+    split_recipe_args(parser, args)
+    argv = torchrun_argv(launch_options(args), ["x.py"], module=False)
+    assert "--shutdown-timeout=105" in argv
+    assert torchrun.config_from_args(torchrun.parse_args(argv))[0].shutdown_timeout == 105
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "77")
+    argv = torchrun_argv(launch_options(build_parser().parse_args(["run", "gpt"])), ["x.py"], module=False)
+    assert not any(a.startswith("--shutdown-timeout") for a in argv)
+    assert torchrun.config_from_args(torchrun.parse_args(argv))[0].shutdown_timeout == 77
+    with pytest.raises(LaunchError, match="--shutdown-timeout=0"):
+        LaunchOptions(shutdown_timeout_s=0).check()
+
+
+SAVED_TERM, SAVED_INT = ExitRecord(0, 75, True), ExitRecord(0, 130, True)
+
+
+@pytest.mark.parametrize(
+    ("sig", "records", "code", "not_stopped"),
+    [
+        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, 75, True)}, 75, []),  # every rank saved and stopped
+        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, 1)}, 143, ["rank 1 did not stop with a checkpoint: exit"]),
+        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, None)}, 143, ["rank 1 did not stop", "SIGKILLed"]),
+        (signal.SIGTERM, {0: SAVED_TERM}, 143, ["local rank 1 had not started"]),
+        (signal.SIGTERM, {0: ExitRecord(0, 0), 1: ExitRecord(1, 0)}, 0, []),  # they had finished
+        (signal.SIGTERM, {}, 75, []),  # none had started: nothing to save, and nothing lost
+        (signal.SIGINT, {0: SAVED_INT, 1: ExitRecord(1, 130, True)}, 130, []),
+        # Ctrl-C before a step boundary: 130 too, having saved nothing
+        (signal.SIGINT, {0: SAVED_INT, 1: ExitRecord(1, 130, False)}, 130, ["rank 1 did not stop with a checkpoint"]),
+        (signal.SIGHUP, {0: SAVED_TERM, 1: SAVED_TERM}, 129, []),
+        (signal.SIGTERM, None, 143, []),  # a script: its exit codes are its own
+    ],
+)
+def test_a_stop_is_claimed_only_when_every_rank_recorded_it(
+    sig: signal.Signals,
+    records: dict[int, ExitRecord] | None,
+    code: int,
+    not_stopped: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert _report_stop(sig, records, LaunchOptions(nproc_per_node="2"), "r1") == code
+    claimed = "every rank stopped at a step boundary with a checkpoint. Continue with: --resume --run-id r1"
+    assert (claimed in caplog.text) == (bool(records) and not not_stopped and code in (75, 130))
+    for text in not_stopped:
+        assert text in caplog.text
+    assert ("did not stop with a checkpoint" in caplog.text) == bool(not_stopped and "started" not in not_stopped[0])
+    assert ("not every rank stopped with a checkpoint" in caplog.text) == bool(not_stopped)
+
+
+def test_workers_record_their_start_and_exit_for_their_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "5")
+    record_start()  # no folder named (srun, mpirun): nothing is written
+    with records_folder() as folder:
+        assert os.environ[exit_records.ENV_VAR] == str(folder)
+        assert read_records(folder) == {}
+        record_start()
+        assert read_records(folder) == {1: ExitRecord(5, None)}
+        record_exit(75, stopped_with_checkpoint=True)
+        (folder / "local_rank_0").write_text('{"rank": 4, "exit')  # torn: as if it had not returned
+        (folder / "local_rank_1.999").write_text("being written")
+        assert read_records(folder) == {0: ExitRecord(-1, None), 1: ExitRecord(5, 75, True)}
+        record_start()  # a restarted attempt's worker: the earlier attempt's exit is not its own
+        assert read_records(folder)[1] == ExitRecord(5, None)
+    assert not folder.exists() and exit_records.ENV_VAR not in os.environ

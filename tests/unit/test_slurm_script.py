@@ -48,6 +48,8 @@ def test_the_script_asks_for_the_signal_requeue_and_the_resumable_run(
     assert "# checked: world size 8: ddp on dp_replicate 8" in script
     assert '--node-rank "$SLURM_NODEID"' in script and "--nnodes 2 --nproc-per-node 4" in script
     assert '--run-id "$RUN_ID" --auto-resume' in script
+    # each node's agent gives its ranks the --signal window, less a margin, to save before it SIGKILLs them
+    assert "--shutdown-timeout 285" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
 
 
@@ -102,6 +104,7 @@ def test_the_script_requeues_on_exit_75_only(
     srun = calls[1]  # the rendezvous at the first host, on the port derived from the job id
     assert srun.startswith("srun --ntasks-per-node=1 bash -c ") and "--master-addr node-a --master-port 24242" in srun
     assert "--max-restarts 2" in srun and "--run-id gpt-4242 --auto-resume" in srun
+    assert "--shutdown-timeout 105" in srun  # --signal-seconds 120, less a margin
     assert ("scontrol requeue 4242" in calls) == requeued, calls
     assert ("requeueing job 4242" in result.stdout) == requeued
 

@@ -42,6 +42,13 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
     flag("rdzv-id", None, help="job id shared by all nodes (c10d rendezvous)")
     flag("max-restarts", 0, type=int, help="restarts of the worker group on failure")
     flag("join-timeout", 300, torchrun=False, type=int, help="seconds the nodes may take to meet (default 300)")
+    flag(
+        "shutdown-timeout",
+        None,
+        type=int,
+        help="seconds the agent, once signalled (SIGTERM), gives the ranks to save and stop before it SIGKILLs them "
+        "(torchrun's; default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)",
+    )
     flag("rdzv-conf", None, help="more c10d rendezvous settings: KEY=VALUE[,...] (torchrun's)")
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g.add_argument(
@@ -199,6 +206,13 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser, command: str, defaults
             type=int,
             default=d(3),
             help="pytorchjob: torchrun restarts of a pod's processes; jobset: restarts of all pods (default 3)",
+        )
+        g.add_argument(
+            "--grace-seconds",
+            type=int,
+            default=d(120),
+            help="the pods' terminationGracePeriodSeconds: time from SIGTERM (preemption, eviction) to SIGKILL in "
+            "which the ranks save a checkpoint and stop (default 120)",
         )
         g.add_argument("--name", default=d(None), help="the job's name, also its run id (default: recipe-config)")
         g.add_argument("--namespace", default=d(None), help="Kubernetes namespace (default: kubectl's)")

@@ -72,6 +72,7 @@ def k8s_manifests(args: argparse.Namespace, overrides: list[str]) -> str:
         max_restarts=args.max_restarts,
         namespace=args.namespace,
         pvc=args.pvc,
+        grace_seconds=args.grace_seconds,
     )
     job.check()
     if args.pvc:

@@ -14,6 +14,16 @@ class SchedulerError(UserError, ValueError):
     """A flag of `trainmesh slurm` or `trainmesh k8s` that cannot work; the message names it and the fix."""
 
 
+STOP_MARGIN_S = 15
+"""Of the time a scheduler allows between its SIGTERM and its SIGKILL, what torchrun's agent leaves over: it gives
+its ranks the rest to save and stop (--shutdown-timeout), then still has time to report how they ended."""
+
+
+def agent_shutdown_timeout(window_s: int) -> int:
+    """`trainmesh run --shutdown-timeout` for a scheduler that SIGKILLs `window_s` seconds after its SIGTERM."""
+    return max(window_s - STOP_MARGIN_S, (window_s + 1) // 2)
+
+
 def positive(value: int, flag: str) -> int:
     if value < 1:
         raise SchedulerError(f"{flag}={value}: must be at least 1")

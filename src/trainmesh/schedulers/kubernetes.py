@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from trainmesh.schedulers.common import SchedulerError, positive
+from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, positive
 
 CONFIG_DIR = "/etc/trainmesh"
 RUNS_DIR = "/runs"  # where --pvc is mounted, and run.out_dir then
@@ -55,6 +55,9 @@ class K8sJob:
     namespace: str | None = None
     pvc: str | None = None
     """A PersistentVolumeClaim (ReadWriteMany) mounted at RUNS_DIR for the run folders."""
+    grace_seconds: int = 120
+    """The pods' terminationGracePeriodSeconds: between Kubernetes' SIGTERM (preemption, eviction, deletion) and
+    its SIGKILL; torchrun's agent gives its ranks all of it but a margin to save (--shutdown-timeout)."""
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -80,6 +83,7 @@ class K8sJob:
         positive(self.gpus_per_node, "--gpus-per-node")
         if self.max_restarts < 0:
             raise SchedulerError(f"--max-restarts={self.max_restarts}: must be 0 or more")
+        positive(self.grace_seconds, "--grace-seconds")
         low, high = self.node_range
         if self.kind == "jobset" and (self.min_nodes is not None or self.max_nodes is not None):
             raise SchedulerError(
@@ -126,6 +130,8 @@ def _command(job: K8sJob) -> list[str]:
         "--run-id",
         job.name,
         "--auto-resume",  # a restarted pod continues from the run's newest checkpoint
+        "--shutdown-timeout",  # after a SIGTERM, the ranks save within the pod's grace period
+        str(agent_shutdown_timeout(job.grace_seconds)),
     ]
 
 
@@ -146,7 +152,12 @@ def _pod_spec(job: K8sJob, container: dict[str, Any], restart_policy: str) -> di
         "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
         "volumeMounts": mounts,
     }
-    return {"restartPolicy": restart_policy, "containers": [container], "volumes": volumes}
+    return {
+        "restartPolicy": restart_policy,
+        "terminationGracePeriodSeconds": job.grace_seconds,
+        "containers": [container],
+        "volumes": volumes,
+    }
 
 
 def _pytorchjob(job: K8sJob) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from trainmesh.schedulers.common import SchedulerError, positive
+from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, positive
 
 SIGNAL_SECONDS_MAX = 65535  # sbatch's limit for sig_time
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -150,16 +150,22 @@ def _training_args(job: SlurmJob) -> str:
 
 def _launch_per_node(job: SlurmJob) -> str:
     restarts = f" --max-restarts {job.max_restarts}" if job.max_restarts else ""
+    # torchrun's agent gives its ranks 30 s after a SIGTERM by default, then SIGKILLs them: give them the window
+    # --signal asks SLURM for instead.
+    shutdown = agent_shutdown_timeout(job.signal_seconds)
     return (
         "# One task per node: trainmesh run starts one process per GPU; node 0 (the first host) hosts the rendezvous.\n"
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
         "# The port: MASTER_PORT if set, else derived from the job id, so that jobs sharing a node differ.\n"
         "MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}\n"
         "export PYTHON MASTER_ADDR MASTER_PORT\n"
-        "# SLURM_NODEID differs per task, so a shell in each task reads it.\n"
+        "# SLURM_NODEID differs per task, so a shell in each task reads it. --shutdown-timeout: how long each\n"
+        "# node's agent lets its ranks save after the SIGTERM before it SIGKILLs them "
+        f"(--signal={job.signal_seconds} s, less a margin).\n"
         "srun --ntasks-per-node=1 bash -c "
         '\'exec "$PYTHON" -m trainmesh.cli run --node-rank "$SLURM_NODEID" "$@"\' bash \\\n'
         f"    {job.recipe} --nnodes {job.nodes} --nproc-per-node {job.gpus_per_node}{restarts} \\\n"
+        f"    --shutdown-timeout {shutdown} \\\n"
         '    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --run-id "$RUN_ID" --auto-resume'
         + _training_args(job)
     )

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -132,7 +133,7 @@ class LaunchOptions:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():
                 raise LaunchError(f"--rdzv-endpoint={self.rdzv_endpoint!r}: expected HOST:PORT")
-            check_resolvable(host, "--rdzv-endpoint")
+            check_resolvable(host, "--rdzv-endpoint", self.dns_wait_s())
             _rdzv_conf(self.rdzv_conf)
         elif self.rdzv_conf:
             raise LaunchError(f"--rdzv-conf={self.rdzv_conf!r} needs --rdzv-endpoint HOST:PORT (c10d rendezvous)")
@@ -155,7 +156,13 @@ class LaunchOptions:
                 raise LaunchError(
                     f"--nnodes={self.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT, not --master-addr"
                 )
-            check_resolvable(self.master_addr, "--master-addr")
+            check_resolvable(self.master_addr, "--master-addr", self.dns_wait_s())
+
+    def dns_wait_s(self) -> float:
+        """How long a host name may take to resolve: in a Kubernetes pod, the other pods' names (a headless
+        service's records) appear only as those pods start, so up to --join-timeout; elsewhere a name that does
+        not resolve is a mistake, refused at once."""
+        return float(self.join_timeout_s) if IN_KUBERNETES in os.environ else 0.0
 
     def rendezvous_id(self) -> str | None:
         """The c10d job id: given, or derived from the endpoint every node was told (so they agree)."""
@@ -213,13 +220,37 @@ def _rdzv_conf(conf: str | None) -> list[str]:
     return items
 
 
-def check_resolvable(host: str, flag: str) -> None:
-    try:
-        socket.getaddrinfo(host, None)
-    except socket.gaierror as e:
-        raise LaunchError(
-            f"{flag}={host!r} does not resolve ({e.strerror}). Check the host name or use an IP."
-        ) from None
+DNS_RETRY_S = 2.0
+IN_KUBERNETES = "KUBERNETES_SERVICE_HOST"
+"""Set in every pod: there, the names of the job's other pods resolve only once those pods run."""
+
+
+def check_resolvable(host: str, flag: str, wait_s: float = 0.0) -> None:
+    """Refuse a host name that does not resolve, after trying for `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    next_note = time.monotonic()
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            return
+        except socket.gaierror as e:
+            error = e
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if now >= next_note:
+            log.info(
+                "%s=%s does not resolve yet (%s): its pod may not be running yet; trying again for %.0f s more "
+                "(--join-timeout)",
+                flag,
+                host,
+                error.strerror,
+                deadline - now,
+            )
+            next_note = now + 30
+        time.sleep(min(DNS_RETRY_S, deadline - now))
+    tried = f" for {wait_s:.0f} s (--join-timeout)" if wait_s else ""
+    raise LaunchError(f"{flag}={host!r} does not resolve ({error.strerror}){tried}. Check the host name or use an IP.")
 
 
 def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | None = None) -> int:

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,45 @@ def test_workers_record_their_start_and_exit_for_their_launcher(monkeypatch: pyt
         record_start()  # a restarted attempt's worker: the earlier attempt's exit is not its own
         assert read_records(folder)[1] == ExitRecord(5, None)
     assert not folder.exists() and exit_records.ENV_VAR not in os.environ
+
+
+@pytest.mark.parametrize("flag", ["--master-addr", "--rdzv-endpoint"])
+def test_in_a_pod_a_peer_name_may_take_until_the_join_timeout_to_resolve(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, flag: str
+) -> None:
+    """A pod's rendezvous host is another pod's name (a headless service's record), which resolves only once
+    that pod runs: in a pod, the launch keeps trying until --join-timeout; elsewhere a wrong name fails at once."""
+    import trainmesh.launch as launch_module
+
+    real = socket.getaddrinfo
+    tries: list[str] = []
+
+    def pod_starting(host: str, *args: object, **kwargs: object) -> object:
+        tries.append(host)
+        if host == "gpt-worker-0.gpt" and len(tries) < 3:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real("127.0.0.1", *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", pod_starting)
+    monkeypatch.setattr(launch_module, "DNS_RETRY_S", 0.01)
+    opts = (
+        LaunchOptions(nnodes="2", master_addr="gpt-worker-0.gpt", master_port=29500, join_timeout_s=5)
+        if flag == "--master-addr"
+        else LaunchOptions(nnodes="1:2", rdzv_endpoint="gpt-worker-0.gpt:29400", join_timeout_s=5)
+    )
+    with pytest.raises(
+        LaunchError, match=rf"{flag}='gpt-worker-0.gpt' does not resolve \(Name or service not known\)\."
+    ):
+        opts.check()  # not in a pod: at once
+    assert len(tries) == 1
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    tries.clear()
+    with caplog.at_level("INFO", logger="trainmesh"):
+        opts.check()
+    assert len(tries) == 3 and f"{flag}=gpt-worker-0.gpt does not resolve yet" in caplog.text
+    never = dataclasses.replace(opts, join_timeout_s=1)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-2, "unknown")))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"does not resolve \(unknown\) for 1 s \(--join-timeout\)"):
+        never.check()
+    assert 1 <= time.monotonic() - started < 5

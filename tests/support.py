@@ -201,8 +201,14 @@ def rank_output(log_dir: Path, rank: int, stream: str = "stderr") -> str:
     """What `rank` wrote to `stream` in the last attempt of the newest launch that kept its logs in `log_dir`
     (`<run>/logs` unless --log-dir said otherwise)."""
     launch = max(log_dir.iterdir(), key=lambda p: p.stat().st_mtime)
-    attempt = max(launch.glob("attempt_*"), key=lambda p: int(p.name.removeprefix("attempt_")))
+    attempt = max(launch.glob("attempt_*"), key=_attempt_order)
     return (attempt / f"rank_{rank}" / f"{stream}.log").read_text()
+
+
+def _attempt_order(folder: Path) -> tuple[int, int]:
+    """attempt_<n> sorts as (n, 1); attempt_<n>-<k>, a later round of attempt n (nodes joined or left), as (n, k)."""
+    restart, _, round_ = folder.name.removeprefix("attempt_").partition("-")
+    return int(restart), int(round_ or 1)
 
 
 def _without_none(data: dict[str, Any]) -> dict[str, Any]:

@@ -116,3 +116,9 @@ def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_pair_trains_on
     # The growth continued from step 20 or later at world size 2, the survivor from a checkpoint of
     # the pair, and the pair with the replacement from what the survivor saved alone.
     assert (two, one, two_again) == (2, 1, 2) and 20 <= grown < alone < replaced, logs()
+    # The first node's ranks, restarted as the second joined (no restart counted), wrote the round with one node
+    # into attempt_0 and the next into attempt_0-2: the second round did not empty the first one's files.
+    first_launch = min((run_dir / "logs").iterdir())  # named by when each node's launch started
+    rounds = sorted(p.name for p in first_launch.glob("attempt_*"))
+    assert rounds[:2] == ["attempt_0", "attempt_0-2"], rounds
+    assert "step_00000020" in (first_launch / "attempt_0" / "rank_0" / "stderr.log").read_text()

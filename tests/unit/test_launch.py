@@ -155,6 +155,21 @@ def test_each_rank_writes_into_its_own_folder_named_by_attempt_and_global_rank(t
     assert dest.stdouts == {0: "", 1: os.devnull} and dest.tee_stderrs == {0: dest.stderrs[0]}
 
 
+def test_a_restart_without_a_new_attempt_number_gets_a_folder_of_its_own(tmp_path: Path) -> None:
+    """Nodes joining or leaving restart the workers without counting a restart; torch opens their log files for
+    writing, so the same folder would lose the earlier round's output."""
+    envs = {0: {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}}
+    logs = RankLogs(tmp_path, Std.ALL, Std.ALL, {0})
+    first = Path(logs.reify(envs).stderrs[0])
+    first.write_text("round 1\n")
+    second = Path(logs.reify({0: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": "0"}}).stderrs[0])
+    assert second == tmp_path / "attempt_0-2" / "rank_3" / "stderr.log" and first.read_text() == "round 1\n"
+    assert Path(logs.reify(envs).stderrs[0]).parent.parent.name == "attempt_0-3"
+    assert Path(logs.reify({0: {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}}).stderrs[0]).parent.parent.name == (
+        "attempt_1"
+    )
+
+
 def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path) -> None:
     first, second = claim_launch_folder(tmp_path, False), claim_launch_folder(tmp_path, False)
     assert second.name in (f"{first.name}-2", second.name) and first != second  # the same second, or the next

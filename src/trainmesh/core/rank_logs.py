@@ -5,7 +5,8 @@
 `<log dir>` is `<run>/logs` for a recipe's run (`--log-dir`); `<launch>` is when the launch started
 (YYYYmmdd-HHMMSS, `-2`... for another in the same second), with the host name on a multi-node launch, whose
 every node writes its own ranks' files into its own folder; `attempt_<n>` is torchrun's restart count and
-`rank_<r>` the global rank. torchrun's `--redirects`, `--tee` and `--local-ranks-filter` keep their meaning
+`rank_<r>` the global rank (`attempt_<n>-2`, `-3`... when nodes join or leave, which restarts the workers
+without counting a restart). torchrun's `--redirects`, `--tee` and `--local-ranks-filter` keep their meaning
 (0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:VALUE,...). trainmesh's default: both streams of every rank
 into its files and local rank 0's on the console too (torchtitan's choice); the launcher names a failed rank's
 file and shows its last lines when the console did not.
@@ -17,7 +18,9 @@ layout (torchrun's flag for one, `--logs-specs`, loads it from an installed entr
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import itertools
 import os
 import socket
 from dataclasses import dataclass
@@ -140,9 +143,7 @@ class RankLogs(LogsSpecs):
         a stream in `redirects` or `tee` goes to its file, a tee'd one also to the console unless filtered out,
         and one neither kept nor shown is dropped."""
         n = len(envs)
-        restart = envs[0]["TORCHELASTIC_RESTART_COUNT"] if n else "0"
-        attempt = self.folder / f"attempt_{restart}"
-        attempt.mkdir(exist_ok=True)
+        attempt = _claim_attempt_folder(self.folder, envs[0]["TORCHELASTIC_RESTART_COUNT"] if n else "0")
         redirects, tee = to_map(self._redirects, n), to_map(self._tee, n)
         dest = LogsDest(
             filtered_stdout=str(attempt / "filtered_stdout.log"), filtered_stderr=str(attempt / "filtered_stderr.log")
@@ -164,6 +165,18 @@ class RankLogs(LogsSpecs):
             dest.error_files[local_rank] = str(folder / ERROR_FILE)
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
         return dest
+
+
+def _claim_attempt_folder(launch: Path, restart: str) -> Path:
+    """`attempt_<restart>`, new: when nodes join or leave, the agent restarts its workers without counting a
+    restart, and torch opens their files for writing, which would empty the earlier round's; a round after the
+    first of an attempt gets `attempt_<restart>-2`, `-3`..."""
+    for round_ in itertools.count(1):
+        folder = launch / (f"attempt_{restart}" if round_ == 1 else f"attempt_{restart}-{round_}")
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+            return folder
+    raise AssertionError("unreachable")
 
 
 def tail(path: Path, lines: int = 20) -> str:

@@ -77,7 +77,7 @@ def test_pytorchjob(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 
 def test_jobset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    docs = _manifests(capsys, "--nodes", "2", "--kind", "jobset", "--name", "gpt2", "--namespace", "ml")
+    docs = _manifests(capsys, "--nodes", "2", "--kind", "jobset", "--name", "gpt2", "--namespace", "ml", "--pvc", "r")
     assert _config_map(docs, tmp_path)["model"]["vocab_size"] == 50304  # the config as checked, complete
     jobset = docs[1]
     assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
@@ -136,6 +136,9 @@ def test_the_default_name_is_a_dns_label(capsys: pytest.CaptureFixture[str]) -> 
         (["--namespace", "My_NS"], "--namespace='My_NS': expected a Kubernetes name"),
         (["--pvc", "runs data"], "--pvc='runs data': expected a Kubernetes name"),
         (["--nodes", "3", "--", "--train.micro_batch=7"], "cannot be split evenly"),  # the config, at 24 ranks
+        # Without shared storage, the pods would write each checkpoint in pieces, each in its own container.
+        (["--nodes", "2"], "run.out_dir='runs' is inside each pod's container, but the 2 pods of this job"),
+        (["--nodes", "1", "--max-nodes", "2"], "but the 2 pods of this job write each checkpoint together"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_printed(
@@ -145,6 +148,19 @@ def test_bad_flags_are_refused_before_anything_is_printed(
     captured = capsys.readouterr()
     assert code == 2 and captured.out == "", captured.out
     assert message in captured.err
+
+
+def test_a_run_folder_without_a_claim_is_refused_for_several_pods_and_a_warning_for_one(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    docs = _manifests(capsys, "--nodes", "2", "--", "--run.out_dir=/mnt/shared/runs")  # the user's own volume
+    assert "runs" not in {
+        m["name"]
+        for m in _container(docs[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"])["volumeMounts"]
+    }
+    assert "inside" not in caplog.text
+    _manifests(capsys, "--nodes", "1")
+    assert "run.out_dir='runs' is inside the pod's container: a restarted pod starts the run over" in caplog.text
 
 
 def test_the_image_is_required(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,13 +13,16 @@ import re
 import shlex
 import sys
 from dataclasses import replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from trainmesh.config import dump_toml
 from trainmesh.config.loader import config_to_dict
+from trainmesh.core.logging import get_logger
 from trainmesh.schedulers.common import SchedulerError, check_config
 from trainmesh.schedulers.kubernetes import RUNS_DIR, K8sJob, render_manifests
 from trainmesh.schedulers.slurm import SlurmJob, render_sbatch
+
+log = get_logger(__name__)
 
 
 def slurm_script(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -81,8 +84,27 @@ def k8s_manifests(args: argparse.Namespace, overrides: list[str]) -> str:
     worlds = [n * job.gpus_per_node for n in range(low, high + 1)]
     # data.source is where the pods see it (in the image or a volume), not necessarily here: not checked.
     config, checked = check_config(args.config, overrides, args.target, worlds, data_here=False)
+    if not args.pvc and not PurePosixPath(config.run.out_dir).is_absolute():
+        _refuse_a_pod_local_run_folder(config.run.out_dir, high)
     job = replace(job, config_toml=dump_toml(config_to_dict(config)))
     return render_manifests(job, checked, _command_line(args))
+
+
+def _refuse_a_pod_local_run_folder(out_dir: str, max_pods: int) -> None:
+    """Without --pvc, a relative run.out_dir is in each container's own filesystem: a pod that restarts starts
+    over, and pods that write one checkpoint together (each its own shards) write it in pieces, on each pod."""
+    if max_pods > 1:
+        raise SchedulerError(
+            f"run.out_dir={out_dir!r} is inside each pod's container, but the {max_pods} pods of this job write "
+            "each checkpoint together, each rank its own shards, into one run folder, which a restarted pod resumes "
+            "from. Fix: --pvc CLAIM (a ReadWriteMany PersistentVolumeClaim, mounted at /runs as run.out_dir), or "
+            "--run.out_dir=/absolute/path on a volume every pod mounts (add the volume to the printed YAML)."
+        )
+    log.warning(
+        "run.out_dir=%r is inside the pod's container: a restarted pod starts the run over, and its checkpoints "
+        "are lost with the pod. Keep them with --pvc CLAIM (a PersistentVolumeClaim mounted at /runs).",
+        out_dir,
+    )
 
 
 def _require(value: object, flag: str, what: str) -> None:

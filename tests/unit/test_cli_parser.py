@@ -51,6 +51,30 @@ def test_launch_flags_left_out_come_from_torchruns_pet_variables(
     assert "world size 4: OK" in out and "world size 8: OK" in out
 
 
+def test_a_bad_pet_variable_is_named_and_a_flag_given_wins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """argparse would say "argument --max-restarts: invalid int value", naming a flag the user did not type;
+    and it converts the variable before it reads a flag given after the recipe's name, which then wins."""
+    monkeypatch.setenv("PET_MAX_RESTARTS", "three")
+    fix = "PET_MAX_RESTARTS='three', from the environment (a launch flag left out is read from PET_<FLAG>"
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for argv in (
+        ["check", "gpt", "--config", GPT2, "--nproc-per-node", "1"],
+        ["run", "--nproc-per-node", "1", str(script)],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2 and fix in capsys.readouterr().err
+    assert main(["check", "gpt", "--config", GPT2, "--nproc-per-node", "1", "--max-restarts", "1"]) == 0
+    assert main(["check", "--max-restarts", "1", "gpt", "--config", GPT2, "--nproc-per-node", "1"]) == 0
+    monkeypatch.delenv("PET_MAX_RESTARTS")
+    with pytest.raises(SystemExit):
+        main(["check", "gpt", "--max-restarts", "three"])  # typed: argparse's own message, naming the flag
+    assert "argument --max-restarts/--max_restarts: invalid int value: 'three'" in capsys.readouterr().err
+
+
 def test_a_rendezvous_backend_trainmesh_does_not_use_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -158,3 +158,6 @@ def test_time_limit_forms() -> None:
         86410,
     ]
     assert time_limit_seconds("UNLIMITED") is None
+    # "A time limit of zero requests that no time limit be imposed" (sbatch's man page): not a limit to refuse.
+    assert [time_limit_seconds(t) for t in ("0", "0:00:00", "0-0")] == [None, None, None]
+    assert time_limit_seconds("0:30") == 30

@@ -28,7 +28,7 @@ import logging
 import sys
 from pathlib import Path
 
-from trainmesh.cli.flags import RECIPE_NAMES, build_parser, split_recipe_args
+from trainmesh.cli.flags import RECIPE_NAMES, build_parser, refuse_bad_environment, split_recipe_args
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and (args.target.endswith(".py") or Path(args.target).is_file()):
             if not Path(args.target).is_file():
                 parser.error(f"script {args.target!r} does not exist")
+            refuse_bad_environment(parser, args)
             return commands.run_script(args)
         overrides = split_recipe_args(parser, args)
         if args.command == "bench":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,38 @@ from typing import Any
 RECIPE_NAMES = ("gpt", "resnet")
 """trainmesh.recipes.RECIPES' names, written out so that the parser needs no recipe (torch) import; a test
 keeps the two equal."""
+
+
+class BadEnvironmentValue(str):
+    """A launch flag's PET_<FLAG> value that does not convert: kept until the command line has been read whole
+    (the flag may still follow the recipe's name), then refused by `refuse_bad_environment`."""
+
+
+def _or_from_environment(convert: Callable[[str], Any], variable: str, flag: str) -> Callable[[str], Any]:
+    """`convert`, except that a bad value from the environment is not an error yet (argparse converts a default
+    before it has seen a flag given after the recipe's name), and its error names the variable, which argparse's
+    would not."""
+
+    def parse(value: str) -> Any:
+        try:
+            return convert(value)
+        except ValueError:
+            if value != os.environ.get(variable):
+                raise
+            return BadEnvironmentValue(
+                f"{variable}={value!r}, from the environment (a launch flag left out is read from PET_<FLAG>, as "
+                f"torchrun does), is not a valid {flag}. Fix: correct or unset {variable}, or give {flag}."
+            )
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse's "invalid int value: ..."
+    return parse
+
+
+def refuse_bad_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Once the command line has been read: a launch flag left out whose PET_<FLAG> does not convert."""
+    for value in vars(args).values():
+        if isinstance(value, BadEnvironmentValue):
+            parser.error(str(value))
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -27,6 +60,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
 
     def flag(name: str, default: Any, torchrun: bool = True, **kwargs: Any) -> None:
         dest = name.replace("-", "_")
+        if torchrun and "type" in kwargs:
+            kwargs["type"] = _or_from_environment(kwargs["type"], f"PET_{dest.upper()}", f"--{name}")
         if not defaults:
             default = argparse.SUPPRESS
         elif torchrun:
@@ -380,6 +415,7 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         _add_launch_flags(tail, defaults=False)
     tokens = list(args.rest)
     _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
+    refuse_bad_environment(parser, args)
     overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
     unknown = [t for t in rest if t not in overrides]
     if unknown:

@@ -93,7 +93,8 @@ class SlurmJob:
 
 
 def time_limit_seconds(value: str) -> int | None:
-    """sbatch --time in seconds (None: UNLIMITED). Forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    """sbatch --time in seconds (None: no limit). Forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; UNLIMITED, INFINITE,
+    and a time of zero, which asks SLURM for no limit (sbatch's man page)."""
     if value.upper() in ("UNLIMITED", "INFINITE"):
         return None
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value)
@@ -104,6 +105,8 @@ def time_limit_seconds(value: str) -> int | None:
         )
     days, first, second, third = (int(g) if g is not None else None for g in match.groups())
     assert first is not None
+    if not any((days, first, second, third)):
+        return None
     if days is None:  # M, M:S or H:M:S
         if second is None:
             return first * 60

@@ -21,8 +21,9 @@ from trainmesh.core.env import free_port
 pytestmark = pytest.mark.slow
 
 FAKE_SRUN = """#!{python}
-# srun as far as the script needs it: start each task with SLURM's per-task variables, optionally SIGTERM them all
-# once the run has logged some steps (what --signal=TERM@S does), exit with the highest exit code of the tasks.
+# srun as far as the script needs it: start each task with SLURM's per-task variables, in a process group of its own,
+# optionally SIGTERM every group once the run has logged some steps (what --signal=TERM@S does), exit with the
+# highest exit code of the tasks.
 import os, signal, subprocess, sys, time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ for node in range(nodes):
             "SLURM_NTASKS": str(nodes * per_node),
             "SLURM_TASKS_PER_NODE": f"{{per_node}}(x{{nodes}})",
         }}
-        tasks.append(subprocess.Popen(args, env=env))
+        tasks.append(subprocess.Popen(args, env=env, start_new_session=True))  # slurmstepd: a group per task
 if os.environ.get("FAKE_TERM_AFTER"):
     metrics, lines = os.environ["FAKE_TERM_AFTER"].rsplit(":", 1)
     path, deadline = Path(metrics), time.monotonic() + 120
@@ -56,8 +57,8 @@ if os.environ.get("FAKE_TERM_AFTER"):
 
     while time.monotonic() < deadline and all(t.poll() is None for t in tasks) and logged() < int(lines):
         time.sleep(0.1)
-    for task in tasks:
-        task.send_signal(signal.SIGTERM)
+    for task in tasks:  # as slurmstepd signals a task: its whole process group (DataLoader workers included)
+        os.killpg(task.pid, signal.SIGTERM)
 codes = [task.wait() for task in tasks]
 sys.exit(max(code if code >= 0 else 128 - code for code in codes))
 """
@@ -99,6 +100,7 @@ def test_stopped_at_the_time_limit_requeued_and_continued(
     one_task_per_gpu: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     overrides = ["--train.max_steps=60", "--checkpoint.every=0", f"--run.out_dir={tmp_path / 'runs'}"]
+    overrides += ["--data.num_workers=1"]  # processes in each task's group, which the signal reaches too
     mode = ["--one-task-per-gpu"] if one_task_per_gpu else []
     flags = ["--nodes", "2", "--gpus-per-node", "1", *mode, "--config", str(nano_toml(tmp_path)), "--", *overrides]
     assert main(["slurm", "gpt", *flags]) == 0

@@ -35,6 +35,7 @@ from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED
 from trainmesh.core.exit_records import ExitRecord, read_records, records_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.rank_logs import NO_LOG_DIR, PREFIX, STDERR, LogSettings, RankLogs, claim_launch_folder, tail
+from trainmesh.core.signals import signals_held
 
 log = get_logger(__name__)
 
@@ -226,31 +227,37 @@ IN_KUBERNETES = "KUBERNETES_SERVICE_HOST"
 
 
 def check_resolvable(host: str, flag: str, wait_s: float = 0.0) -> None:
-    """Refuse a host name that does not resolve, after trying for `wait_s` seconds."""
+    """Refuse a host name that does not resolve, after trying for `wait_s` seconds. A stop signal ends the wait
+    (a container's PID 1 would otherwise ignore SIGTERM, and its pod linger until SIGKILLed)."""
     deadline = time.monotonic() + wait_s
     next_note = time.monotonic()
-    while True:
-        try:
-            socket.getaddrinfo(host, None)
-            return
-        except socket.gaierror as e:
-            error = e
-        now = time.monotonic()
-        if now >= deadline:
-            break
-        if now >= next_note:
-            log.info(
-                "%s=%s does not resolve yet (%s): its pod may not be running yet; trying again for %.0f s more "
-                "(--join-timeout)",
-                flag,
-                host,
-                error.strerror,
-                deadline - now,
-            )
-            next_note = now + 30
-        time.sleep(min(DNS_RETRY_S, deadline - now))
-    tried = f" for {wait_s:.0f} s (--join-timeout)" if wait_s else ""
-    raise LaunchError(f"{flag}={host!r} does not resolve ({error.strerror}){tried}. Check the host name or use an IP.")
+    with signals_held() as stops:
+        while not stops:
+            try:
+                socket.getaddrinfo(host, None)
+                return
+            except socket.gaierror as e:
+                error = e
+            now = time.monotonic()
+            if now >= deadline:
+                tried = f" for {wait_s:.0f} s (--join-timeout)" if wait_s else ""
+                raise LaunchError(
+                    f"{flag}={host!r} does not resolve ({error.strerror}){tried}. Check the host name or use an IP."
+                )
+            if now >= next_note:
+                log.info(
+                    "%s=%s does not resolve yet (%s): its pod may not be running yet; trying again for %.0f s more "
+                    "(--join-timeout)",
+                    flag,
+                    host,
+                    error.strerror,
+                    deadline - now,
+                )
+                next_note = now + 30
+            time.sleep(min(DNS_RETRY_S, deadline - now))
+        name = signal.Signals(stops[0]).name
+        stops.clear()  # stopped here: nothing was started
+    raise LaunchError(f"stopped by {name} while waiting for {flag}={host!r} to resolve; nothing was started")
 
 
 def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | None = None) -> int:
@@ -282,6 +289,9 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
                 _run_agent(argv, logs)
             except SignalException as e:  # the agent forwarded it to the workers and waited for them
                 return _report_stop(signal.Signals(e.sigval), read_records(records) if run_id else None, opts, run_id)
+    except SignalException as e:  # another, while the first was reported (torch's handlers are still in place)
+        log.error("stopped by %s", signal.Signals(e.sigval).name)
+        return 128 + int(e.sigval)
     except (DistError, RendezvousError) as e:  # the nodes could not meet: say what to check
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
@@ -297,40 +307,40 @@ STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 def _report_stop(
     sig: signal.Signals, records: dict[int, ExitRecord] | None, opts: LaunchOptions, run_id: str | None
 ) -> int:
-    """The exit code after the agent was signalled and shut its workers down. `records`: by local rank, the
-    exit codes trainmesh's workers recorded (None: the entry is a script, whose codes are its own). A stop with
-    a checkpoint (its code: 75 or 130) is claimed only when every rank on this node says so; else 128 + the
-    signal's number, as a process the signal ended."""
+    """The exit code after the agent was signalled and shut its workers down. `records`: by local rank, how
+    trainmesh's workers said they ended (None: the entry is a script, whose exit codes are its own). A stop with
+    a checkpoint (75 after SIGTERM, 130 after Ctrl-C) is claimed only when every rank on this node recorded one;
+    else 128 + the signal's number, as for a process the signal ended."""
     stopped = STOP_CODES.get(sig)
     name = "Ctrl-C" if sig == signal.SIGINT else sig.name
     if stopped is None or records is None:
         log.error("stopped by %s (forwarded to the ranks, which had --shutdown-timeout to end)", name)
         return 128 + int(sig)
     again = f"--resume --run-id {run_id}"
-    if not records:
-        log.warning("%s before any rank started: nothing to save. Continue with: %s", name, again)
-        return stopped
-    if len(records) == opts.nproc():
-        if all(r.stopped_with_checkpoint and r.exit_code == stopped for r in records.values()):
+    ranks = range(opts.nproc())
+    if records.keys() == set(ranks):
+        # The ranks agree on one stop code (Ctrl-C on any node wins over SIGTERM): either shows a checkpoint.
+        if all(record.stopped_with_checkpoint for record in records.values()):
             log.warning("%s: every rank stopped at a step boundary with a checkpoint. Continue with: %s", name, again)
             return stopped
-        if all(r.exit_code == 0 for r in records.values()):  # they had finished as the signal came
+        if all(record.exit_code == 0 for record in records.values()):  # they had finished as the signal came
             log.warning("%s after every rank had finished", name)
             return 0
-    for local_rank in range(opts.nproc()):
+    for local_rank in ranks:
         record = records.get(local_rank)
+        rank = f"local rank {local_rank}" if record is None or record.rank is None else f"rank {record.rank}"
         if record is None:
-            log.error("%s: local rank %d had not started", name, local_rank)
+            log.error("%s: %s had not started, or could not record that it had", name, rank)
         elif record.exit_code is None:
             log.error(
-                "%s: rank %d did not stop with a checkpoint: it recorded no exit code (it crashed: see its log; or "
-                "it did not stop within the agent's --shutdown-timeout and was SIGKILLed)",
+                "%s: %s did not stop with a checkpoint: it recorded no exit code. Killed by the signal before it "
+                "could stop at a step boundary (still starting), or after the agent's --shutdown-timeout; or it "
+                "crashed (its log says)",
                 name,
-                record.rank,
+                rank,
             )
-        elif not record.stopped_with_checkpoint or record.exit_code != stopped:
-            saved = "" if record.exit_code == stopped else f": {_describe(record.exit_code, '')}"
-            log.error("%s: rank %d did not stop with a checkpoint%s", name, record.rank, saved)
+        elif not record.stopped_with_checkpoint:
+            log.error("%s: %s did not stop with a checkpoint: %s", name, rank, _describe(record.exit_code, ""))
     log.error(
         "%s: not every rank stopped with a checkpoint; %s continues from the newest committed checkpoint, if any",
         name,

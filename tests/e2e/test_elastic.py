@@ -121,4 +121,6 @@ def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_pair_trains_on
     first_launch = min((run_dir / "logs").iterdir())  # named by when each node's launch started
     rounds = sorted(p.name for p in first_launch.glob("attempt_*"))
     assert rounds[:2] == ["attempt_0", "attempt_0-2"], rounds
-    assert "step_00000020" in (first_launch / "attempt_0" / "rank_0" / "stderr.log").read_text()
+    alone_log = (first_launch / "attempt_0" / "rank_0" / "stderr.log").read_text()
+    assert "step_00000020" in alone_log and "resumed from" not in alone_log  # the first round's, not the next's
+    assert "resumed from" in (first_launch / "attempt_0-2" / "rank_0" / "stderr.log").read_text()

@@ -207,10 +207,14 @@ SAVED_TERM, SAVED_INT = ExitRecord(0, 75, True), ExitRecord(0, 130, True)
     [
         (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, 75, True)}, 75, []),  # every rank saved and stopped
         (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, 1)}, 143, ["rank 1 did not stop with a checkpoint: exit"]),
-        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, None)}, 143, ["rank 1 did not stop", "SIGKILLed"]),
+        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(1, None)}, 143, ["rank 1 did not stop", "--shutdown-timeout"]),
         (signal.SIGTERM, {0: SAVED_TERM}, 143, ["local rank 1 had not started"]),
         (signal.SIGTERM, {0: ExitRecord(0, 0), 1: ExitRecord(1, 0)}, 0, []),  # they had finished
-        (signal.SIGTERM, {}, 75, []),  # none had started: nothing to save, and nothing lost
+        # None had started, or their records were lost (a full or cleaned /tmp): not claimed
+        (signal.SIGTERM, {}, 143, ["local rank 0 had not started", "local rank 1 had not started"]),
+        # Ctrl-C on another node: every rank stopped with 130, and with a checkpoint
+        (signal.SIGTERM, {0: SAVED_INT, 1: ExitRecord(1, 130, True)}, 75, []),
+        (signal.SIGTERM, {0: SAVED_TERM, 1: ExitRecord(None, None)}, 143, ["local rank 1 did not stop"]),
         (signal.SIGINT, {0: SAVED_INT, 1: ExitRecord(1, 130, True)}, 130, []),
         # Ctrl-C before a step boundary: 130 too, having saved nothing
         (signal.SIGINT, {0: SAVED_INT, 1: ExitRecord(1, 130, False)}, 130, ["rank 1 did not stop with a checkpoint"]),
@@ -246,7 +250,7 @@ def test_workers_record_their_start_and_exit_for_their_launcher(monkeypatch: pyt
         record_exit(75, stopped_with_checkpoint=True)
         (folder / "local_rank_0").write_text('{"rank": 4, "exit')  # torn: as if it had not returned
         (folder / "local_rank_1.999").write_text("being written")
-        assert read_records(folder) == {0: ExitRecord(-1, None), 1: ExitRecord(5, 75, True)}
+        assert read_records(folder) == {0: ExitRecord(None, None), 1: ExitRecord(5, 75, True)}
         record_start()  # a restarted attempt's worker: the earlier attempt's exit is not its own
         assert read_records(folder)[1] == ExitRecord(5, None)
     assert not folder.exists() and exit_records.ENV_VAR not in os.environ
@@ -286,6 +290,14 @@ def test_in_a_pod_a_peer_name_may_take_until_the_join_timeout_to_resolve(
     with caplog.at_level("INFO", logger="trainmesh"):
         opts.check()
     assert len(tries) == 3 and f"{flag}=gpt-worker-0.gpt does not resolve yet" in caplog.text
+
+    def stopped(host: str, *args: object, **kwargs: object) -> object:  # the pod is deleted as it waits
+        signal.raise_signal(signal.SIGTERM)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", stopped)
+    with pytest.raises(LaunchError, match="stopped by SIGTERM while waiting for .* to resolve; nothing was started"):
+        opts.check()  # at once, not after --join-timeout: a container's PID 1 would ignore the SIGTERM
     never = dataclasses.replace(opts, join_timeout_s=1)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror(-2, "unknown")))
     started = time.monotonic()

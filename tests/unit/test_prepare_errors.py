@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from trainmesh.core.errors import UserError
-from trainmesh.core.signals import Terminated, sigterm_raises
+from trainmesh.core.signals import Terminated, signals_held, sigterm_raises
 from trainmesh.data import prepare as prepare_module
 from trainmesh.data import tokenizer as tokenizer_module
 from trainmesh.data.prepare import PrepareOptions, prepare
@@ -321,28 +321,28 @@ def test_a_stop_signal_during_the_commit_waits_for_it(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("at", ["submit", "result"])
+@pytest.mark.parametrize("at", ["submit", "wait", "result"])
 def test_a_stop_inside_the_pools_calls_waits_for_its_shutdown(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, at: str
 ) -> None:
     """Terminated raised between two lines of concurrent.futures (a task registered but not yet queued) left
     the pool's shutdown waiting forever: a SIGTERM'd prepare hung in CI. A stop is held while the pool runs
-    one of its calls, acted on between them, and delivered once the pool is shut down."""
+    one of its calls, and delivered as it returns; the pool is then shut down, dropping queued tasks."""
     from concurrent.futures import Future, ProcessPoolExecutor
 
     from trainmesh.data import encode
 
     events: list[str] = []
-    calls = {"submit": 0, "result": 0}
+    calls = {"submit": 0, "wait": 0, "result": 0}
 
     def signalled(name: str, real: Any) -> Any:
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
             if name != at or calls[name] != 3:
-                return real(self, *args, **kwargs)
+                return real(*args, **kwargs)
             events.append("signalled")
             signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside the pool's call
-            returned = real(self, *args, **kwargs)
+            returned = real(*args, **kwargs)
             events.append("returned")
             return returned
 
@@ -354,6 +354,7 @@ def test_a_stop_inside_the_pools_calls_waits_for_its_shutdown(
 
     real_shutdown = ProcessPoolExecutor.shutdown
     monkeypatch.setattr(ProcessPoolExecutor, "submit", signalled("submit", ProcessPoolExecutor.submit))
+    monkeypatch.setattr(encode, "wait", signalled("wait", encode.wait))
     monkeypatch.setattr(Future, "result", signalled("result", Future.result))
     monkeypatch.setattr(ProcessPoolExecutor, "shutdown", shutdown)
     monkeypatch.setattr(encode, "TASK_CHARS", 100)  # a task per document: enough for a few submits and results
@@ -363,6 +364,31 @@ def test_a_stop_inside_the_pools_calls_waits_for_its_shutdown(
         prepare(PrepareOptions((documents,), tmp_path / "out", workers=2, progress=False))
     assert events == ["signalled", "returned", "shutdown, cancel_futures=True"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["documents.jsonl"]
+
+
+def test_held_signals_leave_an_ignored_one_ignored() -> None:
+    """A job started in the background of a script ignores SIGINT; holding it must not turn it into a stop."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_held() as received:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)  # recorded: delivered on leaving, to the handler installed here
+            assert received == [signal.SIGTERM] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            received.clear()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_task_that_raises_timeout_error_is_an_error_not_a_wait() -> None:
+    """Waiting with result(timeout=...) took a task's own TimeoutError for "not done yet", and spun forever."""
+    from concurrent.futures import Future
+
+    from trainmesh.data.encode import _result
+
+    future: Future[Any] = Future()
+    future.set_exception(TimeoutError("the task's own"))
+    with pytest.raises(TimeoutError, match="the task's own"):
+        _result(future)
 
 
 def test_memory_stays_flat_on_a_corpus_larger_than_the_memory_cap(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from trainmesh.bench.report import (
 from trainmesh.commands import check_launch, launch_into, launch_options
 from trainmesh.config import Config
 from trainmesh.config.loader import config_to_dict
-from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 from trainmesh.job import Job, load_config
@@ -149,7 +149,7 @@ def _run_points(points: list[Point], opts: LaunchOptions, bench_dir: Path, launc
         except UserError as e:  # e.g. a port in use: this point fails, the others may still run
             log.error("%s", e)
             codes[name] = EXIT_USER_ERROR
-        if codes[name] in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        if codes[name] in (EXIT_PREEMPTED, EXIT_INTERRUPTED, EXIT_TERMINATED):  # a stop, with a checkpoint or not
             log.warning("stopped: the bench ends here, and reports the points that ran")
             break
     return codes

@@ -11,9 +11,9 @@ EXIT_USER_ERROR = 2  # as argparse: the command, its config or its inputs need f
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL, "try again later": stopped by SIGTERM after saving a checkpoint
 EXIT_STALLED = 76  # the stall watchdog ended a hung attempt
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C (after saving a checkpoint, once training ran)
-EXIT_TERMINATED = (
-    143  # 128 + SIGTERM: a command with nothing to save (data prepare) stopped, its temporary files removed
-)
+EXIT_TERMINATED = 143
+"""128 + SIGTERM: stopped without the promise of EXIT_PREEMPTED: a command with nothing to save (data prepare),
+its temporary files removed; or a launch whose ranks did not all stop with a checkpoint."""
 
 
 class UserError(Exception):

@@ -30,8 +30,8 @@ _PREFIX = "local_rank_"
 
 @dataclass(frozen=True)
 class ExitRecord:
-    rank: int
-    """the worker's global rank"""
+    rank: int | None
+    """the worker's global rank (None: its record could not be read)"""
     exit_code: int | None
     """None: it started and has not returned (killed, or crashed: an exception is no return)"""
     stopped_with_checkpoint: bool = False
@@ -68,7 +68,7 @@ def read_records(folder: Path) -> dict[int, ExitRecord]:
                 int(record["rank"]), record["exit_code"], bool(record["stopped_with_checkpoint"])
             )
         except (OSError, ValueError, KeyError, TypeError):  # unreadable: as if it had not returned
-            records[int(local_rank)] = ExitRecord(-1, None)
+            records[int(local_rank)] = ExitRecord(None, None)
     return dict(sorted(records.items()))
 
 

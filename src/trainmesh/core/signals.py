@@ -49,8 +49,8 @@ def sigterm_raises() -> Iterator[None]:
 @contextmanager
 def signals_held() -> Iterator[list[int]]:
     """SIGINT and SIGTERM are recorded while inside and delivered again on leaving, to the handlers there
-    were before. The caller may clear the yielded list of recorded signals to drop them (the work they
-    would have stopped is done)."""
+    were before (one that was ignored stays ignored). The caller may clear the yielded list of recorded signals
+    to drop them (the work they would have stopped is done)."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # handlers run in the main thread only
         yield received
@@ -60,7 +60,11 @@ def signals_held() -> Iterator[list[int]]:
         del frame
         received.append(signum)
 
-    previous: dict[signal.Signals, Any] = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    previous: dict[signal.Signals, Any] = {
+        sig: signal.signal(sig, record)
+        for sig in STOP_SIGNALS
+        if signal.getsignal(sig) is not signal.SIG_IGN  # ignored (a background job's SIGINT): it stays ignored
+    }
     try:
         yield received
     finally:

@@ -19,10 +19,10 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from trainmesh.data.tokenizer import Tokenizer, get_tokenizer
 TASK_CHARS = 1 << 20
 IN_FLIGHT_PER_WORKER = 2
 STOP_POLL_SECONDS = 0.1
+T = TypeVar("T")
 
 
 class WorkerDiedError(UserError, RuntimeError):
@@ -83,43 +84,35 @@ def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) ->
         ) from None
 
 
-class _Stopped(Exception):
-    """A stop signal was recorded while the pool was in use."""
-
-
 def _encode_in_pool(tasks: Iterator[Task], tokenizer_name: str, workers: int) -> Iterator[Encoded]:
-    """A stop signal (Ctrl-C, SIGTERM) is held while the pool is in use and acted on between its calls, then
-    delivered once the pool is shut down. Raised inside one of them (an exception between any two lines of
-    concurrent.futures), it could leave a task registered but never queued, or a lock taken, and the shutdown
-    would wait for that task forever: a SIGTERM'd prepare hung in CI that way."""
-    with signals_held() as stops:
-        context = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_name,))
-        try:
-            in_flight: deque[Future[Encoded]] = deque()
-            for task in tasks:
-                if stops:
-                    return
-                in_flight.append(pool.submit(_encode_in_worker, task))
-                if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
-                    yield _result(in_flight.popleft(), stops)
-            while in_flight:
-                yield _result(in_flight.popleft(), stops)
-        except _Stopped:
-            return
-        finally:  # also on an error or a stop: queued tasks are dropped, the running ones end
-            pool.shutdown(wait=True, cancel_futures=True)
-    if stops:  # here only if the stop's handler recorded it without raising: the tokens are not all there
-        raise RuntimeError(f"tokenising was stopped by {signal.Signals(stops[0]).name}")
+    context = multiprocessing.get_context("spawn")
+    pool = _uninterrupted(ProcessPoolExecutor, workers, context, initializer=_start_worker, initargs=(tokenizer_name,))
+    try:
+        in_flight: deque[Future[Encoded]] = deque()
+        for task in tasks:
+            in_flight.append(_uninterrupted(pool.submit, _encode_in_worker, task))
+            if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                yield _result(in_flight.popleft())
+        while in_flight:
+            yield _result(in_flight.popleft())
+    finally:  # also on an error or a stop: queued tasks are dropped, the running ones end
+        _uninterrupted(pool.shutdown, wait=True, cancel_futures=True)
 
 
-def _result(future: Future[Encoded], stops: list[int]) -> Encoded:
-    while True:
-        try:
-            return future.result(timeout=STOP_POLL_SECONDS)
-        except TimeoutError:
-            if stops:
-                raise _Stopped from None
+def _result(future: Future[Encoded]) -> Encoded:
+    """The task's tokens, waited for in short, uninterrupted waits: a stop signal acts between them."""
+    while not _uninterrupted(wait, [future], timeout=STOP_POLL_SECONDS).done:
+        pass
+    return _uninterrupted(future.result)
+
+
+def _uninterrupted(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`call(...)` into concurrent.futures with stop signals (Ctrl-C, SIGTERM) held, then delivered: their
+    exception is raised here, never between two lines of the pool's code, where it could leave a lock taken or a
+    task registered but never queued, and the shutdown would wait for that task forever (a SIGTERM'd prepare
+    hung in CI that way)."""
+    with signals_held():
+        return call(*args, **kwargs)
 
 
 def encode_task(tokenizer: Tokenizer, task: Task) -> Encoded:

@@ -4,12 +4,12 @@ boundary, with a checkpoint.
 Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and allow some seconds before SIGKILL. Ctrl-C
 in a terminal sends SIGINT to the foreground process: a worker run by plain `python`, or the launcher,
 since torchrun starts its workers in sessions of their own; its agent forwards either signal to the
-workers and waits up to 30 s for them before it kills them. The handler only records the request; the
-loop adds it to the all-reduce every step already makes (the target count), so all ranks learn of it at
-the same step, agree on which signal it was, save a checkpoint together and exit (`EXIT_PREEMPTED` for
-SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching with --resume continues exactly where the job
-stopped. In a process that receives Ctrl-C itself, a second one a moment after the first stops it at once,
-without saving.
+workers and waits for them (--shutdown-timeout, default 30 s) before it kills them. The handler only
+records the request; the loop adds it to the all-reduce every step already makes (the target count), so
+all ranks learn of it at the same step, agree on which signal it was, save a checkpoint together and exit
+(`EXIT_PREEMPTED` for SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching with --resume continues
+exactly where the job stopped. In a process that receives Ctrl-C itself, a second one a moment after the
+first stops it at once, without saving.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_pair_trains_on
     node += ["--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"]
     node += ["--run-id", "elastic", "--", f"--train.max_steps={steps}", "--checkpoint.every=20"]
     node += ["--train.global_batch=8", "--run.log_every=1", "--checkpoint.final=true"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # a SIGKILLed launcher leaves files there
     agents: dict[str, subprocess.Popen[str]] = {}
     run_dir = tmp_path / "runs" / "elastic"
 

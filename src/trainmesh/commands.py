@@ -31,7 +31,7 @@ log = logging.getLogger("trainmesh")
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
-    """The launch flags of `run`, `check` and `bench` (cli._add_launch_flags, which also reads torchrun's PET_
+    """The launch flags of `run`, `check` and `bench` (cli/launch_flags.py, which also reads torchrun's PET_
     variables) as LaunchOptions."""
     backend = os.environ.get("PET_RDZV_BACKEND", "c10d")
     if backend not in ("c10d", "static"):  # set by Kubeflow's training operator from elasticPolicy.rdzvBackend

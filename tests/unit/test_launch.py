@@ -18,14 +18,8 @@ from trainmesh.commands import launch_options
 from trainmesh.core import exit_records
 from trainmesh.core.exit_records import ExitRecord, read_records, record_exit, record_start, records_folder
 from trainmesh.core.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
-from trainmesh.launch import (
-    NO_SHARED_STORE,
-    LaunchError,
-    LaunchOptions,
-    _agent_environment,
-    _report_stop,
-    torchrun_argv,
-)
+from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
+from trainmesh.launch.outcome import report_stop
 
 
 def test_single_node_uses_loopback_and_a_free_port() -> None:
@@ -229,7 +223,7 @@ def test_a_stop_is_claimed_only_when_every_rank_recorded_it(
     not_stopped: list[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert _report_stop(sig, records, LaunchOptions(nproc_per_node="2"), "r1") == code
+    assert report_stop(sig, records, LaunchOptions(nproc_per_node="2"), "r1") == code
     claimed = "every rank stopped at a step boundary with a checkpoint. Continue with: --resume --run-id r1"
     assert (claimed in caplog.text) == (bool(records) and not not_stopped and code in (75, 130))
     for text in not_stopped:
@@ -262,7 +256,7 @@ def test_in_a_pod_a_peer_name_may_take_until_the_join_timeout_to_resolve(
 ) -> None:
     """A pod's rendezvous host is another pod's name (a headless service's record), which resolves only once
     that pod runs: in a pod, the launch keeps trying until --join-timeout; elsewhere a wrong name fails at once."""
-    import trainmesh.launch as launch_module
+    import trainmesh.launch.options as launch_module
 
     real = socket.getaddrinfo
     tries: list[str] = []

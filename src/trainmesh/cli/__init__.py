@@ -28,7 +28,8 @@ import logging
 import sys
 from pathlib import Path
 
-from trainmesh.cli.flags import RECIPE_NAMES, build_parser, refuse_bad_environment, split_recipe_args
+from trainmesh.cli.flags import RECIPE_NAMES, build_parser, split_recipe_args
+from trainmesh.cli.launch_flags import refuse_bad_environment
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging
 

@@ -174,7 +174,7 @@ def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client
     An agent's store outlives a failed attempt, and a restarted group can read the dead attempt's peer
     addresses before the new ones are written: gloo then fails with "connection refused" (seen with
     torch 2.13 in about 2 restarts of 3; cf. pytorch/pytorch#167288). A per-attempt prefix makes every
-    attempt meet on fresh keys. Where rank 0 hosts the store (elastic launches, see launch.py) every
+    attempt meet on fresh keys. Where rank 0 hosts the store (elastic launches, see launch/__init__.py) every
     attempt has a new one, and no prefix is used: TORCHELASTIC_RESTART_COUNT is each agent's own count
     (a membership change does not add to it, and a replacement node starts at 0), so ranks of
     different nodes would look for each other under different prefixes and never meet.

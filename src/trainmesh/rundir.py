@@ -14,7 +14,6 @@ others join it.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import difflib
 import errno
@@ -29,7 +28,7 @@ from typing import IO, Any
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import open_file, write_atomically
+from trainmesh.core.files import make_new_dir, open_file, write_atomically
 from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
@@ -101,14 +100,12 @@ def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:
     base = f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for n in range(1, 10_000):
-            run_dir = out_dir / (base if n == 1 else f"{base}-{n}")
-            with contextlib.suppress(FileExistsError):
-                run_dir.mkdir()
-                return run_dir
+        run_dir = make_new_dir(out_dir, base, limit=9999)
     except OSError as e:
         raise _unwritable(out_dir, e) from None
-    raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
+    if run_dir is None:
+        raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
+    return run_dir
 
 
 def take_run_dir(out_dir: Path, run_id: str, recipe: str, resume: bool) -> Path:

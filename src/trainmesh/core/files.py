@@ -17,6 +17,7 @@ replaced only when asked (and put back if the rename fails), and a symlink there
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +47,18 @@ def make_dirs(root: Path, *parts: str) -> Path:
             )
         path.mkdir(exist_ok=True)
     return path
+
+
+def make_new_dir(parent: Path, base: str, limit: int = 10_000) -> Path | None:
+    """`parent/base`, else `base-2`, `base-3`...: the first name that is free, created here (mkdir fails on
+    anything already there, a planted symlink included), so no other process takes it. None when `limit`
+    names are taken."""
+    for n in range(1, limit + 1):
+        folder = parent / (base if n == 1 else f"{base}-{n}")
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+            return folder
+    return None
 
 
 _FLAGS = {

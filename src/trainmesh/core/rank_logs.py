@@ -18,9 +18,7 @@ layout (torchrun's flag for one, `--logs-specs`, loads it from an installed entr
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import itertools
 import os
 import socket
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std, to_map
 
-from trainmesh.core.files import open_file
+from trainmesh.core.files import make_new_dir, open_file
 
 LOGS_DIR = "logs"
 """The run folder's folder of per-rank logs (the default --log-dir of a recipe's run)."""
@@ -106,14 +104,10 @@ def claim_launch_folder(log_dir: Path, multi_node: bool) -> Path:
     launch is one node of several), created here so that no other launch writes into it."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base = dt.datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{socket.gethostname()}" if multi_node else "")
-    for n in range(1, 1000):
-        folder = log_dir / (base if n == 1 else f"{base}-{n}")
-        try:
-            folder.mkdir()  # fails on anything already there, a planted symlink included
-            return folder
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{log_dir} already holds 999 launches named {base}*")
+    folder = make_new_dir(log_dir, base, limit=999)
+    if folder is None:
+        raise FileExistsError(f"{log_dir} already holds 999 launches named {base}*")
+    return folder
 
 
 class RankLogs(LogsSpecs):
@@ -171,12 +165,10 @@ def _claim_attempt_folder(launch: Path, restart: str) -> Path:
     """`attempt_<restart>`, new: when nodes join or leave, the agent restarts its workers without counting a
     restart, and torch opens their files for writing, which would empty the earlier round's; a round after the
     first of an attempt gets `attempt_<restart>-2`, `-3`..."""
-    for round_ in itertools.count(1):
-        folder = launch / (f"attempt_{restart}" if round_ == 1 else f"attempt_{restart}-{round_}")
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir()
-            return folder
-    raise AssertionError("unreachable")
+    folder = make_new_dir(launch, f"attempt_{restart}")
+    if folder is None:
+        raise FileExistsError(f"{launch} already holds 10000 rounds of attempt_{restart}")
+    return folder
 
 
 def tail(path: Path, lines: int = 20) -> str:

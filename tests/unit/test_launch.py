@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import re
 import signal
 import socket
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -164,10 +166,19 @@ def test_a_restart_without_a_new_attempt_number_gets_a_folder_of_its_own(tmp_pat
     )
 
 
-def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path) -> None:
-    first, second = claim_launch_folder(tmp_path, False), claim_launch_folder(tmp_path, False)
-    assert second.name in (f"{first.name}-2", second.name) and first != second  # the same second, or the next
-    assert claim_launch_folder(tmp_path, True).name.endswith(f"-{socket.gethostname()}")  # a node of several
+def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainmesh.core import rank_logs
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> Clock:
+            return cls(2026, 11, 24, 1, 2, 3)
+
+    monkeypatch.setattr(rank_logs, "dt", types.SimpleNamespace(datetime=Clock))
+    names = [claim_launch_folder(tmp_path, False).name for _ in range(3)]
+    assert names == ["20261124-010203", "20261124-010203-2", "20261124-010203-3"]
+    several = claim_launch_folder(tmp_path, True).name  # a node of a job of several
+    assert several == f"20261124-010203-{socket.gethostname()}"
 
 
 def test_the_tail_of_a_log_is_its_last_lines(tmp_path: Path) -> None:

@@ -1,27 +1,25 @@
 """hvd.broadcast_parameters, broadcast_optimizer_state, broadcast_object and allgather_object.
 
-Objects travel pickled (Horovod uses cloudpickle; plain pickle here, so lambdas and local classes cannot
-travel). The bytes come from the job's own ranks, the same trust as Horovod's.
+Objects travel pickled, by torch's object collectives (Horovod uses cloudpickle; plain pickle here, so lambdas
+and local classes cannot travel). The bytes come from the job's own ranks, the same trust as Horovod's.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainmesh.horovod.basics import ReduceOp, rank, size
 from trainmesh.horovod.ops import (
-    allgather_with_sizes,
     allreduce,
     broadcast_work,
     check_root,
-    synchronize,
 )
 from trainmesh.horovod.optimizer import _DistributedOptimizer
-from trainmesh.horovod.rounds import Kind, control_device, start_round
+from trainmesh.horovod.rounds import Kind, start_round
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int) -> None:
@@ -110,38 +108,21 @@ def _layout(
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """root_rank's `obj` on every rank (pickled, sent as bytes)."""
+    """root_rank's `obj` on every rank (pickled, through torch's broadcast_object_list)."""
     check_root(root_rank, "hvd.broadcast_object")
     if size() == 1:
         return obj
     start_round(Kind.OTHER, what="hvd.broadcast_object")
-    device = control_device()
-    payload = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    _wait(broadcast_work(length, root_rank))
-    if rank() == root_rank:
-        buffer = payload.to(device)
-    else:
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    _wait(broadcast_work(buffer, root_rank))
-    return obj if rank() == root_rank else _from_bytes(buffer)
+    box = [obj if rank() == root_rank else None]
+    dist.broadcast_object_list(box, src=root_rank)
+    return obj if rank() == root_rank else box[0]
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's `obj`, in rank order."""
-    handle, sizes = allgather_with_sizes(_to_bytes(obj).to(control_device()), None)
-    gathered = synchronize(handle)
-    return [_from_bytes(part) for part in torch.split(gathered, sizes)]
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _from_bytes(buffer: torch.Tensor) -> Any:
-    return pickle.loads(buffer.cpu().numpy().tobytes())  # from this job's own ranks
-
-
-def _wait(work: Any) -> None:
-    if work is not None:
-        work.wait()
+    """Every rank's `obj`, in rank order (pickled, through torch's all_gather_object)."""
+    if size() == 1:
+        return [obj]
+    start_round(Kind.OTHER, what="hvd.allgather_object")
+    gathered: list[Any] = [None] * size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

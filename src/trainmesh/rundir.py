@@ -14,6 +14,7 @@ others join it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import difflib
 import errno
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.core.errors import UserError
@@ -92,6 +94,14 @@ def check_auto_resume(auto_resume: bool, resume: bool, run_id: str) -> bool:
             "--run.id=NAME), e.g. gpt-$SLURM_JOB_ID."
         )
     return auto_resume
+
+
+def resumed_if_checkpointed(config: Config, run_dir: Path) -> Config:
+    """`config`, set to resume when `run_dir` holds a checkpoint (a run under --auto-resume, or one restarted
+    after it saved); else `config` itself."""
+    if config.checkpoint.resume or not list_checkpoints(run_dir):
+        return config
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
 
 
 def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:

@@ -7,7 +7,6 @@ plain `torchrun -m trainmesh ...`, SLURM's `srun python -m trainmesh ...`, and a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import math
 import os
@@ -18,7 +17,6 @@ from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import current_env, store_client
@@ -36,6 +34,7 @@ from trainmesh.rundir import (
     create_run_dir,
     hold_as_worker,
     new_job_id,
+    resumed_if_checkpointed,
     take_run_dir,
     write_config,
 )
@@ -212,8 +211,7 @@ def _main(argv: list[str] | None) -> tuple[int, bool]:
         if args.auto_resume:
             check_auto_resume(True, args.resume, config.run.id or (run_dir.name if run_dir else ""))
             run_dir = run_dir or Path(config.run.out_dir) / config.run.id  # named: created when missing
-            if list_checkpoints(run_dir):  # else a new run: nothing to resume yet
-                config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+            config = resumed_if_checkpointed(config, run_dir)  # else a new run: nothing to resume yet
         result = run_worker(config, run_dir, launch_id=args.job)
     except UserError as e:
         log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it

@@ -26,7 +26,6 @@ run's newest one. To build your own TorchTrainer: `prepare`, then `train_loop_pe
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 from collections.abc import Iterator
@@ -37,7 +36,6 @@ from typing import Any
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from trainmesh.checkpoint import list_checkpoints
 from trainmesh.commands import check_inputs, hold_run_dir, refuse_other_runs_checkpoints
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.dist import existing_group_env
@@ -45,7 +43,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.job import Job, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import Recipe
-from trainmesh.rundir import new_job_id, take_run_dir
+from trainmesh.rundir import new_job_id, resumed_if_checkpointed, take_run_dir
 from trainmesh.worker import run_worker
 
 log = get_logger(__name__)
@@ -102,11 +100,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
     run_dir = Path(loop_config["run_dir"])
     config: Config = loop_config["config"]
-    if list_checkpoints(run_dir) and not config.checkpoint.resume:
+    resumed = resumed_if_checkpointed(config, run_dir)
+    if resumed is not config:
         # The folder held none when the job started (`prepare`), so Ray restarted the workers after a failure
         # (RunConfig's FailureConfig): continue from this job's newest checkpoint, as torchrun's restarts do.
         log.warning("Ray restarted the workers: continuing from the newest checkpoint in %s", run_dir)
-        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+        config = resumed
     with _in_directory(Path(loop_config["cwd"])):
         result = run_worker(config, run_dir, recipe=loop_config["recipe"], launch_id=loop_config["launch_id"], env=env)
     metrics = {

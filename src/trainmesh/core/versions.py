@@ -5,8 +5,6 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-import torch
-
 
 def package_version(name: str) -> str:
     try:
@@ -16,6 +14,8 @@ def package_version(name: str) -> str:
 
 
 def versions() -> dict[str, str]:
+    import torch  # here: package_version serves `data prepare`, which keeps torch out of its processes
+
     return {
         "trainmesh": package_version("trainmesh"),
         "torch": torch.__version__,

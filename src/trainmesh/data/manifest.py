@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +69,6 @@ class Manifest:
             "options": self.options,
         }
         return json.dumps(body, indent=2) + "\n"
-
-
-def trainmesh_version() -> str:
-    try:
-        return metadata.version("trainmesh")
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def read_manifest(folder: Path) -> Manifest | None:

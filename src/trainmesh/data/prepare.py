@@ -34,6 +34,7 @@ from trainmesh.core.errors import UserError
 from trainmesh.core.files import remove_tree, replace_folder, write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.core.signals import signals_held
+from trainmesh.core.versions import package_version
 from trainmesh.data.encode import available_cpus, encode_pieces
 from trainmesh.data.manifest import (
     MANIFEST,
@@ -42,7 +43,6 @@ from trainmesh.data.manifest import (
     SplitInfo,
     TokenizerInfo,
     prepared_files,
-    trainmesh_version,
 )
 from trainmesh.data.shards import MAX_SHARD_TOKENS, ShardWriter
 from trainmesh.data.sources import Source, SourceError, check_readers, find_sources, read_pieces
@@ -183,7 +183,7 @@ def build(
         val=splits["val"],
         sources=tuple(described),
         options=record or {},
-        trainmesh_version=trainmesh_version(),
+        trainmesh_version=package_version("trainmesh"),
     )
     # Last, and durably (the shards were fsynced as they were closed): a folder with a manifest is complete,
     # after a power loss too, once the caller's rename is.

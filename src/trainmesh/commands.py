@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, list_checkpoints
-from trainmesh.config import Config, ConfigError
+from trainmesh.config import Config
 from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv
 from trainmesh.core.files import make_dirs
 from trainmesh.core.rank_logs import LOGS_DIR, NO_LOG_DIR, LogSettings
-from trainmesh.job import Job, load_config, resolve
+from trainmesh.job import Job, check_data, load_config, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.metrics.trackers import check_installed
 from trainmesh.precision import check_precision_supported
@@ -66,10 +66,7 @@ def check_inputs(config: Config, recipe: Recipe | None = None) -> None:
     """What any launcher checks before it starts anything: the trackers' packages and the data (`recipe`: the
     caller's own, else the built-in run.recipe names)."""
     check_installed(config.log)
-    try:
-        (recipe or get_recipe(config.run.recipe)).check_data(config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_data(config, recipe)
 
 
 def check_this_machine(config: Config, opts: LaunchOptions) -> None:

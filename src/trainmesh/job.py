@@ -136,6 +136,15 @@ def _dotted_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
     return keys
 
 
+def check_data(config: Config, recipe: Recipe | None = None) -> None:
+    """The data the config names is there and readable for its recipe (`recipe`: the caller's own, else the
+    built-in one run.recipe names); ConfigError saying what to fix."""
+    try:
+        (recipe or get_recipe(config.run.recipe)).check_data(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve(
     config: Config, world_size: int, other_world_sizes: Sequence[int] = (), recipe: Recipe | None = None
 ) -> Job:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmesh.config import Config, ConfigError
+from trainmesh.config import Config
 from trainmesh.core.errors import UserError
-from trainmesh.job import load_config, resolve
-from trainmesh.recipes import get_recipe
+from trainmesh.job import check_data, load_config, resolve
 
 
 class SchedulerError(UserError, ValueError):
@@ -39,10 +38,7 @@ def check_config(
         raise SchedulerError(f"--config={config_path!r} does not exist. Fix: the path of a TOML config (configs/).")
     config = load_config(config_path, overrides, recipe)
     if data_here:
-        try:
-            get_recipe(config.run.recipe).check_data(config)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_data(config)
     lines = []
     for world in world_sizes:
         job = resolve(config, world, world_sizes)

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainmesh.core.files import replace_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.data.encode import available_cpus
 from trainmesh.data.manifest import Manifest, read_manifest
@@ -191,7 +192,7 @@ def _build_cache(files: list[Path], tokenizer: Tokenizer, val_fraction: float, f
         shutil.rmtree(staging, ignore_errors=True)
         raise
     try:
-        staging.rename(folder)  # atomic commit; loses the race harmlessly if another builder won
+        replace_folder(staging, folder, replace=False)  # durable, atomic; loses the race if another builder won
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         manifest = read_manifest(folder) or manifest

@@ -62,16 +62,15 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def encode_pieces(pieces: Iterable[Piece], tokenizer_name: str, workers: int) -> Iterator[Encoded]:
-    """The pieces' tokens, task by task, in order."""
+def encode_pieces(pieces: Iterable[Piece], tokenizer: Tokenizer, workers: int) -> Iterator[Encoded]:
+    """The pieces' tokens, task by task, in order: by `tokenizer` here, or by one of its name in each worker."""
     tasks = _tasks(pieces)
     if workers <= 1:
-        tokenizer = get_tokenizer(tokenizer_name)
         for task in tasks:
             yield encode_task(tokenizer, task)
         return
     try:
-        yield from _encode_in_pool(tasks, tokenizer_name, workers)
+        yield from _encode_in_pool(tasks, tokenizer.name, workers)
     except BrokenProcessPool as e:
         raise WorkerDiedError(
             f"a tokenising worker process died before returning its result ({str(e).rstrip('.')}). Likely causes: "

@@ -171,7 +171,7 @@ def build(
     pieces = chain.from_iterable(read_pieces(source, text_field) for source in sources)
     total = sum(s.bytes for s in described)
     with _bar(progress, total, "tokenising") as bar:
-        for encoded in encode_pieces(pieces, tokenizer.name, workers):
+        for encoded in encode_pieces(pieces, tokenizer, workers):
             split.feed(encoded.tokens, encoded.document_starts)
             bar.update(encoded.source_bytes)
             bar.set_postfix_str(f"{split.tokens:,} tokens", refresh=False)

@@ -150,8 +150,9 @@ def hold_run_dir(job: Job, run_dir: Path, launch_id: str) -> Iterator[Path]:
 
 def refuse_other_runs_checkpoints(job: Job, run_dir: Path) -> None:
     """A new run (not resuming) must start in a folder without checkpoints: they would collide with its own."""
-    if not job.resume and list_checkpoints(run_dir):
-        newest = list_checkpoints(run_dir)[-1].name
+    found = [] if job.resume else list_checkpoints(run_dir)
+    if found:
+        newest = found[-1].name
         raise LaunchError(
             f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
             f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."

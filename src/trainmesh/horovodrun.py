@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainmesh.core.env import DEFAULT_MASTER_PORT
 from trainmesh.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -216,9 +217,10 @@ def _per_node_commands(args: HorovodrunArgs, used: list[tuple[str, int]]) -> str
         )
     master = used[0][0]
     timeout = f" --join-timeout {args.start_timeout}" if args.start_timeout else ""
+    port = DEFAULT_MASTER_PORT
     lines = []
     for rank, (host, n) in enumerate(used):
-        flags = f"--nnodes {len(used)} --node-rank {rank} --master-addr {master} --master-port 29500{timeout}"
+        flags = f"--nnodes {len(used)} --node-rank {rank} --master-addr {master} --master-port {port}{timeout}"
         if args.module:
             run = f"torchrun {flags} --nproc-per-node {n} -m {shlex.join(args.entry)}"
         else:
@@ -226,7 +228,8 @@ def _per_node_commands(args: HorovodrunArgs, used: list[tuple[str, int]]) -> str
         lines.append(f"  on {host}: {run}")
     return (
         f"{what}; trainmesh does not start processes on other machines (horovodrun does, over ssh). Run on each "
-        f"host (any free port on {master} instead of 29500; under SLURM see docs/clusters.md):\n" + "\n".join(lines)
+        f"host (any free port on {master} instead of {DEFAULT_MASTER_PORT}; under SLURM see docs/clusters.md):\n"
+        + "\n".join(lines)
     )
 
 

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("slurm", "k8s"):
             from trainmesh.schedulers.command import k8s_manifests, slurm_script
 
-            args.command_line = ["trainmesh", *(sys.argv[1:] if argv is None else argv)]  # recorded in the file
+            args.command_line = ["trainmesh", *argv]  # recorded in the file
             print(slurm_script(args, overrides) if args.command == "slurm" else k8s_manifests(args, overrides), end="")
             return 0
         if args.command == "check":

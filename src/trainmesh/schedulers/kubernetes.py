@@ -25,12 +25,13 @@ from typing import Any
 
 import yaml
 
+from trainmesh.core.env import DEFAULT_MASTER_PORT
 from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, positive
 
 CONFIG_DIR = "/etc/trainmesh"
 RUNS_DIR = "/runs"  # where --pvc is mounted, and run.out_dir then
 PYTORCHJOB_PORT = 23456  # training operator's default for the port named pytorchjob-port
-JOBSET_PORT = 29500
+JOBSET_PORT = DEFAULT_MASTER_PORT
 JOBSET_JOB = "node"  # the replicated job's name: pods are <name>-node-0-<index>
 KINDS = ("pytorchjob", "jobset")
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a DNS-1035 label, as both operators require

@@ -49,22 +49,30 @@ class ScaledMixedPrecision(MixedPrecision):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, torch.float16)
         self.scaler = torch.amp.GradScaler(device.type)
+        self._scaled = False  # a loss was scaled since the last step: its gradients are the scaler's to step
         self._unscaled = False
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
+        self._scaled = True
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._unscaled:  # GradScaler allows one unscale_ per step
+        if self._scaled and not self._unscaled:  # GradScaler allows one unscale_ per step
             self.scaler.unscale_(optimizer)
             self._unscaled = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self._scaled:
+            # No loss was scaled since the last step: no scaled gradients to unscale or check, and no scale to
+            # update. DCP takes such a step (zero gradients, lr 0) to create an empty optimizer's state, through
+            # the optimizer rt.setup returned (runtime/optimizer.py).
+            optimizer.step()
+            return True
         self.unscale(optimizer)
         scale_before = self.scaler.get_scale()
         self.scaler.step(optimizer)  # skips optimizer.step() when the unscaled grads hold inf/NaN
         self.scaler.update()  # ... and then lowers the scale, which is how we detect the skip
-        self._unscaled = False
+        self._scaled = self._unscaled = False
         return self.scaler.get_scale() >= scale_before
 
     def state_dict(self) -> dict[str, Any]:

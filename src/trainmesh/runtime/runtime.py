@@ -3,7 +3,8 @@
     rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group (or adopts
                                                     # one set up already, e.g. by Ray Train)
                                                     # (trainmesh's worker: job.runtime(), see job.py)
-    model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp)
+    model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp); optimizer.step()
+                                                    # is rt.step(optimizer) from now on (runtime/optimizer.py)
     loader = rt.setup_dataloader(loader)            # each rank reads its own shard
     with rt.no_sync(model, enabled=not last_micro_step), rt.autocast():
         loss = ...
@@ -44,6 +45,7 @@ from trainmesh.core.errors import UserError
 from trainmesh.core.logging import configure_logging
 from trainmesh.data.workers import worker_init
 from trainmesh.precision import Precision, build_precision
+from trainmesh.runtime.optimizer import RuntimeOptimizer, guard_optimizer, unwrap_optimizer
 from trainmesh.strategies import Layout, ParallelPlan, Strategy, build_strategy, check_layout, resolve_parallelism
 from trainmesh.strategies.base import Objective
 
@@ -219,7 +221,7 @@ class Runtime:
 
     def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """Model and optimizer state keyed by parameter name, free of wrapper prefixes (DCP-ready)."""
-        return self.strategy.state_dicts(model, optimizer)
+        return self.strategy.state_dicts(model, unwrap_optimizer(optimizer))
 
     def load_state_dicts(
         self,
@@ -228,7 +230,7 @@ class Runtime:
         model_state: dict[str, Any],
         optim_state: dict[str, Any],
     ) -> None:
-        self.strategy.load_state_dicts(model, optimizer, model_state, optim_state)
+        self.strategy.load_state_dicts(model, unwrap_optimizer(optimizer), model_state, optim_state)
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's own state for a checkpoint (Strategy.rank_state)."""
@@ -268,19 +270,27 @@ class Runtime:
 
         Parameters are moved in place, so an optimizer built before or after `setup` both work, except
         with fsdp, tensor or pipeline parallelism, which replace them by shards or keep only a stage:
-        build the optimizer from the returned module's parameters there.
+        build the optimizer from the returned module's parameters there, and pass it to `setup_optimizer`.
+        The optimizer returned is `setup_optimizer(optimizer)`'s.
         """
         if optimizer is not None and self.strategy.collective_forward:
             raise ValueError(
                 f"parallel.strategy={self.strategy.name!r} (with fsdp, tp or pp) replaces the parameters by "
                 "shards or keeps only some of them, so an optimizer built before setup() would update stale "
-                "tensors. Fix: model = rt.setup(model), then build the optimizer from model.parameters()."
+                "tensors. Fix: model = rt.setup(model), then build the optimizer from model.parameters() and pass "
+                "it to rt.setup_optimizer(optimizer)."
             )
         # The precision converts the whole model first (fp8-mixed swaps its linear layers), then the strategy
         # shards, splits, checkpoints and compiles what it converted.
         wrapped = self.strategy.setup_module(self.precision.convert_module(model), plan)
         self.precision.attach(wrapped)
-        return wrapped if optimizer is None else (wrapped, optimizer)
+        return wrapped if optimizer is None else (wrapped, self.setup_optimizer(optimizer))
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose `step()` is `rt.step(optimizer)` (a plain step would apply 16-mixed's overflowing
+        gradients), otherwise `optimizer` itself: its state, param groups, LR schedulers and checkpoints. Whether
+        a step was skipped: `rt.step`'s bool, or its `step_was_skipped`. See runtime/optimizer.py."""
+        return guard_optimizer(optimizer, self.precision)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.strategy.unwrap(model)
@@ -354,11 +364,14 @@ class Runtime:
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Unscale (fp16), then clip the global gradient norm; returns the norm before clipping."""
-        self.precision.unscale(optimizer)
+        self.precision.unscale(unwrap_optimizer(optimizer))
         return self.strategy.clip_grad_norm(model, max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Optimizer step; False when skipped for a loss-scale overflow (the same on every rank)."""
+        if isinstance(optimizer, RuntimeOptimizer):  # through its own step, which an LR scheduler may count
+            optimizer.step()
+            return not optimizer.step_was_skipped
         return self.precision.step(optimizer)
 
     # -- communication -----------------------------------------------------------------------------

@@ -4,7 +4,9 @@ reported, and an export holds exactly the trained weights."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,6 +72,22 @@ def test_verify_and_inspect_a_healthy_run(run_dir: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "step 2, 8 samples seen, saved by 1 rank(s)" in out
     assert "wte.weight" in out and "(256, 32)" in out and "torch.float32" in out
+
+
+def test_inspect_counts_the_parameters_as_the_run_did(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tied head is stored under both names (as two copies), but it is one parameter: inspect's count is the
+    model's, the number the run logged (`N parameters`)."""
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["config"]["model"]
+    model = GPT(GPTConfig(**saved))
+    assert model.lm_head.weight is model.wte.weight
+    parameters = sum(p.numel() for p in model.parameters())  # each once, as train/setup.py logs it
+    assert main(["ckpt", "inspect", str(ckpt)]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  model: ")]
+    assert line == (
+        f"  model: {len(model.state_dict())} tensors, {parameters:,} parameters "
+        "(tied, stored twice and counted once: lm_head.weight is wte.weight)"
+    )
 
 
 def test_damage_is_reported_and_blocks_inspection(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,3 +192,22 @@ def test_export_refuses_a_damaged_checkpoint(fresh_run: Path, capsys: pytest.Cap
     assert main(["ckpt", "export", str(fresh_run)]) == 1
     assert "no checkpoint of this run verifies" in capsys.readouterr().err
     assert not (fresh_run / "export").exists()
+
+
+def test_exported_files_get_the_mode_of_any_new_file(fresh_run: Path, tmp_path: Path) -> None:
+    """Under a known umask every file an export writes, in both formats, has the mode a plain open() gives a new
+    file there (safetensors' own writer makes 0600 files)."""
+    before = os.umask(0o002)
+    try:
+        (tmp_path / "reference").write_text("")
+        assert main(["ckpt", "export", str(fresh_run)]) == 0
+        assert main(["ckpt", "export", "--format", "hf", str(fresh_run)]) == 0
+    finally:
+        os.umask(before)
+    expected = stat.S_IMODE((tmp_path / "reference").stat().st_mode)
+    assert expected == 0o664
+    written = _files_under(fresh_run / "export")
+    assert [p.name for p in written] == ["config.json", "model.safetensors", "model_step_00000002.safetensors"]
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == dict.fromkeys(
+        (p.name for p in written), oct(expected)
+    )

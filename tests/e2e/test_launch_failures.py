@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from support import descendants, nano_toml
 from trainmesh.core.env import free_port
+from trainmesh.core.errors import EXIT_STALLED, EXIT_USER_ERROR
+from trainmesh.launch.outcome import EXIT_MEANINGS, report_failure
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +111,42 @@ def test_world_size_larger_than_the_processes_that_come(tmp_path: Path) -> None:
     assert result.returncode != 0 and time.monotonic() - start < JOIN + STARTUP
     assert "rank 0 of 2 could not join the process group at 127.0.0.1" in result.stderr
     assert "dist.init_timeout_s=3" in result.stderr and "1/2" in result.stderr
+
+
+def test_a_scripts_own_exit_code_is_not_given_trainmeshs_meaning(tmp_path: Path) -> None:
+    """argparse exits 2 on a missing argument: a script's code, reported as a number and not as trainmesh's 2 (fix
+    the config); `trainmesh run` exits 1, as for any failed rank."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--epochs', required=True)\n"
+        "parser.parse_args()\n"
+    )
+    result = subprocess.run(
+        [str(BIN / "trainmesh"), "run", "--nproc-per-node", "1", str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=QUICK,
+        check=False,
+    )
+    assert "the following arguments are required: --epochs" in result.stderr  # argparse's, from the script
+    assert "rank 0 failed first: exit code 2" in result.stderr
+    assert EXIT_MEANINGS[2] not in result.stderr and result.returncode == 1
+
+
+@pytest.mark.parametrize("worker", [True, False])
+def test_only_trainmeshs_workers_exit_codes_carry_its_meanings(worker: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The report of the same failure (exit codes 2 and 76), from trainmesh's worker and from a script."""
+    failures = {0: ProcessFailure(0, 100, EXIT_USER_ERROR, ""), 1: ProcessFailure(1, 101, EXIT_STALLED, "")}
+    failures[1].timestamp = failures[0].timestamp + 1  # rank 0 failed first
+    code = report_failure(ChildFailedError("entry", failures), None, worker=worker)
+    said = [r.getMessage() for r in caplog.records]
+    if worker:
+        assert said[0] == f"rank 0 failed first: exit code 2: {EXIT_MEANINGS[EXIT_USER_ERROR]}"
+        assert said[-1] == f"rank 1 then: exit code 76: {EXIT_MEANINGS[EXIT_STALLED]}" and code == EXIT_USER_ERROR
+    else:
+        assert said[0] == "rank 0 failed first: exit code 2" and said[-1] == "rank 1 then: exit code 76" and code == 1
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:

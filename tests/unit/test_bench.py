@@ -3,14 +3,17 @@ refusal of bad input (before any folder is written)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from support import nano_toml, refused_before_writing
 from trainmesh.bench.command import point_options
+from trainmesh.bench.load import BUSY_MARGIN, LOAD_RULES, CpuSample, read_cpu, watch_point
 from trainmesh.bench.plan import Machine, choose_counts, plan_points, timing_overrides
-from trainmesh.bench.report import Measured, Row, add_scaling, markdown_table, measure
+from trainmesh.bench.report import Measured, Row, add_scaling, markdown_table, measure, write_json, write_markdown
 from trainmesh.cli import main
 from trainmesh.launch import LaunchOptions
 from trainmesh.metrics.breakdown import PHASES
@@ -176,3 +179,71 @@ def test_an_existing_run_id_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
     assert "runs/old already exists" in capsys.readouterr().err
     assert list((tmp_path / "runs").iterdir()) == [tmp_path / "runs" / "old"]
     assert not list((tmp_path / "runs" / "old").iterdir())
+
+
+def _samples(*samples: CpuSample) -> Iterator[CpuSample]:
+    yield from samples
+
+
+def _cpu(t: float, load: float, busy_s: float, steal_s: float = 0.0) -> CpuSample:
+    """This fake node after `t` seconds: 2 cores, all their time counted (busy, stolen or idle)."""
+    return CpuSample(t, load, busy_s, steal_s, 2 * t)
+
+
+def test_a_point_on_a_quiet_node_is_recorded_without_warnings(tmp_path: Path) -> None:
+    fake = _samples(_cpu(0.0, 0.1, 0.0), _cpu(1.0, 0.1, 0.05), _cpu(11.0, 1.2, 18.0, steal_s=0.2))
+    code, load = watch_point(lambda: 0, threads=2, cores=2, sampler=lambda: next(fake), window_s=0)
+    assert code == 0 and load.warnings == []
+    assert (load.load_before, load.load_after) == (0.1, 1.2)
+    assert load.busy_cores_before == pytest.approx(0.05) and load.steal == pytest.approx(0.01)
+
+    rows = [_row("weak", 1, _measured(10.0, 100.0)), _row("strong", 1, _measured(10.0, 100.0))]
+    for row in rows:
+        row.load = load
+    write_json(tmp_path / "bench.json", {}, rows)
+    point = json.loads((tmp_path / "bench.json").read_text())["points"][0]
+    assert point["load"] == {
+        "load_before": 0.1,
+        "load_after": 1.2,
+        "busy_cores_before": pytest.approx(0.05),
+        "steal_before": 0.0,
+        "steal": pytest.approx(0.01),
+        "warnings": [],
+    }
+    write_markdown(tmp_path / "bench.md", "t", [], rows, "tokens")
+    text = (tmp_path / "bench.md").read_text()
+    assert "| 1 | weak | 0.10 | 1.20 | 0.1 | 0.0% | 1.0% |" in text and LOAD_RULES in text and "WARNING" not in text
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "said"),
+    [
+        # Another program keeps a core busy: a 2-process point on 2 cores has none free.
+        (_cpu(1.0, 1.0, 1.0 + BUSY_MARGIN + 0.1), _cpu(11.0, 2.0, 20.0), "kept 1.6 core(s) busy just before it"),
+        # The load average of the run in the issue: 6.75 on 2 cores.
+        (_cpu(1.0, 0.2, 0.0), _cpu(11.0, 6.75, 20.0), "load average was 6.75 after it, on 2 core(s)"),
+        # The hypervisor took 10% of the CPU time during the point.
+        (_cpu(1.0, 0.2, 0.0), _cpu(11.0, 0.2, 20.0, steal_s=2.0), "the hypervisor stole 10% of the CPU time"),
+    ],
+)
+def test_a_busy_node_makes_the_point_doubtful(before: CpuSample, after: CpuSample, said: str, tmp_path: Path) -> None:
+    fake = _samples(_cpu(0.0, before.load, 0.0), before, after)
+    _, load = watch_point(lambda: 0, threads=2, cores=2, sampler=lambda: next(fake), window_s=0)
+    assert len(load.warnings) == 1 and said in load.warnings[0]
+    rows = [_row("weak", 2, _measured(10.0, 100.0))]
+    rows[0].load = load
+    write_markdown(tmp_path / "bench.md", "t", [], rows, "tokens")
+    text = (tmp_path / "bench.md").read_text()
+    assert f"- WARNING: 2 process(es), weak: doubtful figures: {load.warnings[0]}" in text
+
+
+def test_a_point_that_leaves_cores_free_tolerates_other_work() -> None:
+    """1 process on 4 cores leaves 3 free: two busy cores elsewhere take none of its own."""
+    fake = _samples(_cpu(0.0, 2.0, 0.0), CpuSample(1.0, 2.0, 2.0, 0.0, 4.0), CpuSample(11.0, 3.0, 32.0, 0.0, 44.0))
+    _, load = watch_point(lambda: 0, threads=1, cores=4, sampler=lambda: next(fake), window_s=0)
+    assert load.busy_cores_before == 2.0 and load.warnings == []
+
+
+def test_the_node_is_read_from_the_system() -> None:
+    first, second = read_cpu(), read_cpu()
+    assert second.time >= first.time and first.load >= 0 and 0 <= first.steal_s <= first.busy_s <= first.total_s

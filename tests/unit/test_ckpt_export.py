@@ -1,15 +1,19 @@
 """Export's tensor preparation on a live model, whose tied weights share memory (the e2e tests in
-tests/e2e/test_ckpt_cli.py read tensors back from DCP, where the tie is already two copies)."""
+tests/e2e/test_ckpt_cli.py read tensors back from DCP, where the tie is already two copies), and the mode of the
+files it writes."""
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainmesh.checkpoint.export import ExportError, standalone_tensors
+from trainmesh.checkpoint.export import ExportError, save_safetensors, standalone_tensors
 from trainmesh.recipes.gpt import GPT, GPTConfig
 
 
@@ -42,3 +46,25 @@ def test_non_contiguous_tensors_are_made_contiguous_and_non_tensors_refused() ->
     assert out.is_contiguous() and torch.equal(out, t)
     with pytest.raises(ExportError, match=r"'step' is not a tensor \(int\)"):
         standalone_tensors({"step": 3})
+
+
+@pytest.fixture(params=[0o022, 0o002])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The test runs under this umask (the usual one, and a shared group's)."""
+    before = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(before)
+
+
+def test_safetensors_files_get_the_mode_of_any_new_file(tmp_path: Path, umask: int) -> None:
+    """safetensors' save_file makes its file mode 0600 whatever the umask; an export's is as any file's."""
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "raw.safetensors"))
+    assert stat.S_IMODE((tmp_path / "raw.safetensors").stat().st_mode) == 0o600  # why export has to do something
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"old")  # replaced as a whole
+    save_safetensors(out, {"w": torch.ones(2)}, {"format": "pt"})
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+    assert torch.equal(load_file(out)["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "raw.safetensors"]  # no temporary

@@ -234,8 +234,9 @@ def test_a_stop_is_claimed_only_when_every_rank_recorded_it(
     not_stopped: list[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert report_stop(sig, records, LaunchOptions(nproc_per_node="2"), "r1") == code
-    claimed = "every rank stopped at a step boundary with a checkpoint. Continue with: --resume --run-id r1"
+    hint = "trainmesh run gpt --resume --run-id r1"
+    assert report_stop(sig, records, LaunchOptions(nproc_per_node="2"), hint) == code
+    claimed = f"every rank stopped at a step boundary with a checkpoint. Continue with: {hint}"
     assert (claimed in caplog.text) == (bool(records) and not not_stopped and code in (75, 130))
     for text in not_stopped:
         assert text in caplog.text

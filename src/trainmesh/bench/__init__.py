@@ -4,6 +4,7 @@ folder of its own; the points' metrics become bench.json, bench.md and scaling.p
 
     plan.py     what was asked (modes, process counts, steps) checked against the machine, and the points
     report.py   a point's figures from its metrics.jsonl, speedup and efficiency, the files written at the end
+    load.py     how busy the node was around each point (load average, CPU steal), and when that makes it doubtful
     command.py  the command: check everything, claim the bench folder, run the points, report
 
 It is a command built on `trainmesh run` (commands.launch_into), one layer above the other commands.

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import functools
 import re
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from trainmesh.bench.load import PointLoad, watch_point
 from trainmesh.bench.plan import (
     BenchError,
     Machine,
@@ -38,6 +40,7 @@ from trainmesh.bench.report import (
     SCALING_PNG,
     Row,
     add_scaling,
+    load_warnings,
     measure,
     plot_scaling,
     write_json,
@@ -78,7 +81,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     bench_dir, launch_id = _claim_folder(config, opts)
     log.info("bench folder: %s; %s", bench_dir, _plan_line(points, modes, args))
     with RunLock(bench_dir, launch_id) as lock, rank_threads(machine):
-        codes = _run_points(points, opts, bench_dir, launch_id)
+        codes, loads = _run_points(points, opts, bench_dir, launch_id, machine)
         if lock.joined:  # a node of a multi-node bench whose folder another node holds: that node reports
             log.info("the node holding %s writes the report", bench_dir)
             return _first_failure(codes.values())
@@ -94,11 +97,13 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
                 METRICS_FILE,
             )
             return _first_failure(codes.values()) or 1
-        rows = _rows(points, codes, bench_dir, args.warmup, args.steps)
+        rows = _rows(points, codes, loads, bench_dir, args.warmup, args.steps)
         _report(rows, points[0].job, machine, bench_dir, args, counts, low)
     failed = [r for r in rows if r.measured is None]
     for row in failed:
         log.error("%s scaling, %d process(es): %s; run folder %s", row.mode, row.processes, row.error, row.run_dir)
+    for warning in load_warnings(rows):
+        log.warning("%s (bench.md has the load of every point)", warning)
     log.info("bench folder: %s (%s, %s, %s)", bench_dir, BENCH_JSON, BENCH_MD, SCALING_PNG)
     return _first_failure(codes.values()) or (1 if failed else 0)
 
@@ -129,30 +134,40 @@ def _plan_line(points: list[Point], modes: tuple[str, ...], args: argparse.Names
     )
 
 
-def _run_points(points: list[Point], opts: LaunchOptions, bench_dir: Path, launch_id: str) -> dict[str, int]:
-    """Launch each distinct job once (the base count's job is the same in both modes); their exit codes by run
-    folder name. Stops early only when stopped (SIGTERM, Ctrl-C)."""
+def _run_points(
+    points: list[Point], opts: LaunchOptions, bench_dir: Path, launch_id: str, machine: Machine
+) -> tuple[dict[str, int], dict[str, PointLoad]]:
+    """Launch each distinct job once (the base count's job is the same in both modes); their exit codes and the
+    load of this node around them (bench/load.py), by run folder name. Stops early only when stopped (SIGTERM,
+    Ctrl-C)."""
     runs: dict[str, list[Point]] = {}  # run folder name -> the points of that job
     for p in points:
         runs.setdefault(p.run_name, []).append(p)
     codes: dict[str, int] = {}
+    loads: dict[str, PointLoad] = {}
     for i, (name, same_job) in enumerate(runs.items()):
         point, in_modes = same_job[0], " and ".join(p.mode for p in same_job)
         log.info(
             "bench point %d/%d: %s scaling, %d process(es): %s", i + 1, len(runs), in_modes, point.world_size, name
         )
-        job = _placed(point.job, bench_dir, name)
-        try:
-            codes[name] = launch_into(
-                point_options(opts, point, i), [job], job, create_run_dir(bench_dir, name), f"{launch_id}-{name}"
-            )
-        except UserError as e:  # e.g. a port in use: this point fails, the others may still run
-            log.error("%s", e)
-            codes[name] = EXIT_USER_ERROR
+        launch = functools.partial(_launch_point, point, point_options(opts, point, i), bench_dir, name, launch_id)
+        codes[name], loads[name] = watch_point(launch, point.nprocs * machine.threads_per_rank, machine.cores)
+        for warning in loads[name].warnings:
+            log.warning("bench point %s: doubtful figures: %s", name, warning)
         if codes[name] in (EXIT_PREEMPTED, EXIT_INTERRUPTED, EXIT_TERMINATED):  # a stop, with a checkpoint or not
             log.warning("stopped: the bench ends here, and reports the points that ran")
             break
-    return codes
+    return codes, loads
+
+
+def _launch_point(point: Point, opts: LaunchOptions, bench_dir: Path, name: str, launch_id: str) -> int:
+    """Run one point's job into `bench_dir/name`, as `trainmesh run` would; its exit code."""
+    job = _placed(point.job, bench_dir, name)
+    try:
+        return launch_into(opts, [job], job, create_run_dir(bench_dir, name), f"{launch_id}-{name}")
+    except UserError as e:  # e.g. a port in use: this point fails, the others may still run
+        log.error("%s", e)
+        return EXIT_USER_ERROR
 
 
 def _placed(job: Job, bench_dir: Path, name: str) -> Job:
@@ -172,7 +187,9 @@ def point_options(opts: LaunchOptions, point: Point, index: int) -> LaunchOption
     return dataclasses.replace(opts, **changes)
 
 
-def _rows(points: list[Point], codes: dict[str, int], bench_dir: Path, warmup: int, steps: int) -> list[Row]:
+def _rows(
+    points: list[Point], codes: dict[str, int], loads: dict[str, PointLoad], bench_dir: Path, warmup: int, steps: int
+) -> list[Row]:
     rows = []
     for p in points:
         b, run_dir = p.job.batch, bench_dir / p.run_name
@@ -187,6 +204,7 @@ def _rows(points: list[Point], codes: dict[str, int], bench_dir: Path, warmup: i
             b.dp_size,
             str(run_dir),
             codes.get(p.run_name),
+            load=loads.get(p.run_name),
         )
         if row.exit_code is None:
             row.error = "not run (the bench was stopped)"

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainmesh.bench.load import LOAD_RULES, PointLoad
 from trainmesh.core.files import write_atomically
 from trainmesh.metrics.breakdown import PHASES
 from trainmesh.metrics.sinks import write_figure
@@ -84,6 +85,8 @@ class Row:
     speedup: float | None = None
     ideal: float | None = None
     efficiency: float | None = None
+    load: PointLoad | None = None
+    """How busy this node was around the point's run (bench/load.py); None: not run."""
 
 
 def speedup_of(mode: str, base: Measured, point: Measured) -> float:
@@ -143,15 +146,49 @@ def _fmt(value: float | None, suffix: str) -> str:
     return "–" if value is None else f"{value:.2f}{suffix}"
 
 
+def load_table(rows: list[Row]) -> str:
+    """The Markdown table of how busy the node was around each point (bench.md)."""
+    lines = [
+        "| processes | mode | load before | load after | busy cores before | steal before | steal during |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.load is None:
+            lines.append(f"| {r.processes} | {r.mode} |" + " |" * 5)
+            continue
+        x = r.load
+        cells = [f"{x.load_before:.2f}", f"{x.load_after:.2f}", f"{x.busy_cores_before:.1f}"]
+        cells += [f"{x.steal_before:.1%}", f"{x.steal:.1%}"]
+        lines.append(f"| {r.processes} | {r.mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_warnings(rows: list[Row]) -> list[str]:
+    """One line per reason a point's figures are doubtful (a run measured in both modes is named once)."""
+    runs: dict[str, list[Row]] = {}
+    for r in rows:
+        runs.setdefault(r.run_dir, []).append(r)
+    lines = []
+    for same in runs.values():
+        load = same[0].load
+        modes = " and ".join(r.mode for r in same)
+        for warning in load.warnings if load else []:
+            lines.append(f"WARNING: {same[0].processes} process(es), {modes}: doubtful figures: {warning}")
+    return lines
+
+
 def write_json(path: Path, header: dict[str, Any], rows: list[Row]) -> None:
-    document = {**header, "definitions": SPEEDUP_DEFINITION, "points": [asdict(r) for r in rows]}
+    points = [asdict(r) for r in rows]
+    document = {**header, "definitions": SPEEDUP_DEFINITION, "load_rules": LOAD_RULES, "points": points}
     write_atomically(path, json.dumps(document, indent=2) + "\n")
 
 
 def write_markdown(path: Path, title: str, facts: list[str], rows: list[Row], unit: str) -> str:
     """bench.md; returns the table."""
     table = markdown_table(rows, unit)
-    text = [f"# {title}", "", *(f"- {fact}" for fact in facts), f"- {SPEEDUP_DEFINITION}", "", table, ""]
+    text = [f"# {title}", "", *(f"- {line}" for line in [*load_warnings(rows), *facts, SPEEDUP_DEFINITION])]
+    text += ["", table, "", "How busy this node was around each point:", "", load_table(rows), ""]
+    text += [f"- {LOAD_RULES}", ""]
     write_atomically(path, "\n".join(text))
     return table
 

@@ -8,7 +8,8 @@ another program's format (`export_folder`; the recipe converts, e.g. the GPT to 
 The checkpoint is verified against its manifest before anything in it is read (an unverified one is
 refused, with its problems). The default output is `<run>/export/model_step_XXXXXXXX.safetensors`; an
 existing file is replaced only with `force`, and the file is written under a temporary name and
-renamed into place, so a failed export leaves nothing behind.
+renamed into place, so a failed export leaves nothing behind. Exported files get the mode of any new file
+under the user's umask (0644 under the usual 022).
 
 Tensors keep their names (as in the model's `state_dict()`), dtypes and values exactly. Tied weights
 (the GPT recipe's `wte.weight` and `lm_head.weight`) are kept under both names, each with its own
@@ -35,7 +36,7 @@ from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import make_dirs, open_file, remove_tree, replace_folder
+from trainmesh.core.files import make_dirs, remove_tree, replace_file, replace_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 
@@ -113,14 +114,7 @@ def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) 
         make_dirs(out.parent.parent, EXPORT_DIR)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.unlink(missing_ok=True)  # a crashed export's; unlink never follows a symlink
-    try:
-        open_file(tmp, "xb").close()  # created here, so that save_file writes to no symlink's target
-        save_file(tensors, str(tmp), metadata=export_metadata(state))
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_safetensors(out, tensors, export_metadata(state))
     return Exported(ckpt, out, step, len(tensors), out.stat().st_size)
 
 
@@ -178,6 +172,12 @@ def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
         taken.add(tensor.untyped_storage().data_ptr())
         tensors[name] = tensor
     return tensors
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, written under a temporary name and renamed into place, with the mode of any new
+    file (safetensors' own is 0600), as every format's export writes its weights."""
+    replace_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def export_metadata(state: TrainerState) -> dict[str, str]:

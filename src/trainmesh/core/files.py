@@ -8,7 +8,9 @@ can plant a symlink where trainmesh is about to write (`metrics.jsonl -> ~/.bash
   run folder itself may be a symlink: that is where its owner chose to put it);
 - files are opened with O_NOFOLLOW, so a symlink at the file's own name is refused (ELOOP);
 - a file replaced as a whole is written under a fresh temporary name (O_EXCL) and renamed over the old
-  one, which replaces a symlink there instead of writing through it.
+  one, which replaces a symlink there instead of writing through it;
+- a new file gets the mode any program's new file gets, 0666 less the user's umask (0644 under the usual
+  022), also when a library wrote it (`replace_file`).
 
 A folder written as a whole (an export, prepared token shards) is built under a temporary name beside its
 destination and committed by `replace_folder`: made durable and renamed into place; an old folder there is
@@ -20,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,13 +72,16 @@ _FLAGS = {
     "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
     "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
 }
+NEW_FILE_MODE = 0o666
+"""What a new file is created with, less the umask: as `open()`, `touch` and the shell make files, so that the
+user's umask alone decides who may read and write trainmesh's files."""
 
 
 def open_file(path: Path, mode: str = "r", **kwargs: Any) -> IO[Any]:
     """`open(path, mode)` that refuses a symlink at `path` (modes r, w, a, x, a+, each optionally with b)."""
     flags = _FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, NEW_FILE_MODE)
     except OSError:
         if path.is_symlink():
             raise UnsafePathError(
@@ -94,6 +101,27 @@ def write_atomically(path: Path, data: str | bytes, durable: bool = False) -> No
             f.write(data.encode() if isinstance(data, str) else data)
             if durable:
                 f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def replace_file(path: Path, write: Callable[[Path], None], durable: bool = False) -> None:
+    """Replace `path` as a whole with the file `write(tmp)` writes at a fresh temporary path beside it, for a
+    writer that takes a file name (safetensors' `save_file`). Such a writer may make a file of its own and
+    rename it over `tmp` (safetensors' is mode 0600), so the file is given the mode a new file gets here."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of this pid; unlink never follows a symlink
+    try:
+        with open_file(tmp, "xb") as f:  # created here, so that the writer writes to no symlink's target
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # NEW_FILE_MODE less the umask
+        write(tmp)
+        with open_file(tmp, "rb") as f:  # whatever file is at `tmp` now, never a symlink's target
+            os.fchmod(f.fileno(), mode)
+            if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:

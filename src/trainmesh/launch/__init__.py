@@ -36,10 +36,12 @@ __all__ = ["NO_SHARED_STORE", "LaunchError", "LaunchOptions", "launch", "torchru
 log = get_logger(__name__)
 
 
-def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | None = None) -> int:
+def launch(
+    opts: LaunchOptions, entry: list[str], module: bool, run_id: str | None = None, resume_hint: str | None = None
+) -> int:
     """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI.
     `run_id`: given when `entry` is trainmesh's worker (a recipe's run), which records how each rank ended
-    (core/exit_records.py); it names the run in the command that continues it after a stop."""
+    (core/exit_records.py). `resume_hint`: the command that continues the run after a stop (None: no such hint)."""
     store = None  # single node: the agent's store, on loopback only, kept alive while the agent runs
     if not opts.multi_node and not opts.rdzv_endpoint and is_loopback(opts.master_addr or "127.0.0.1"):
         try:
@@ -65,7 +67,9 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
             try:
                 _run_agent(argv, logs)
             except SignalException as e:  # the agent forwarded it to the workers and waited for them
-                return report_stop(signal.Signals(e.sigval), read_records(records) if run_id else None, opts, run_id)
+                return report_stop(
+                    signal.Signals(e.sigval), read_records(records) if run_id else None, opts, resume_hint
+                )
     except SignalException as e:  # another, while the first was reported (torch's handlers are still in place)
         log.error("stopped by %s", signal.Signals(e.sigval).name)
         return 128 + int(e.sigval)
@@ -73,7 +77,7 @@ def launch(opts: LaunchOptions, entry: list[str], module: bool, run_id: str | No
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
     except ChildFailedError as e:
-        return report_failure(e, logs)
+        return report_failure(e, logs, worker=run_id is not None)
     return 0
 
 

@@ -24,6 +24,8 @@ EXIT_MEANINGS = {
     EXIT_INTERRUPTED: "stopped by Ctrl-C",
     EXIT_STALLED: "stall watchdog: no step within dist.stall_timeout_s; see <run>/stalls/ for the report and stacks",
 }
+"""What the exit codes of trainmesh's own workers mean. A script's exit codes are its own (argparse's 2 is a bad
+command line, not a trainmesh config), so they are reported as plain numbers."""
 
 
 STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
@@ -31,23 +33,24 @@ STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 
 
 def report_stop(
-    sig: signal.Signals, records: dict[int, ExitRecord] | None, opts: LaunchOptions, run_id: str | None
+    sig: signal.Signals, records: dict[int, ExitRecord] | None, opts: LaunchOptions, resume_hint: str | None
 ) -> int:
     """The exit code after the agent was signalled and shut its workers down. `records`: by local rank, how
     trainmesh's workers said they ended (None: the entry is a script, whose exit codes are its own). A stop with
     a checkpoint (75 after SIGTERM, 130 after Ctrl-C) is claimed only when every rank on this node recorded one;
-    else 128 + the signal's number, as for a process the signal ended."""
+    else 128 + the signal's number, as for a process the signal ended. `resume_hint`: the command that continues
+    the run (None: the launch is not one to continue)."""
     stopped = STOP_CODES.get(sig)
     name = "Ctrl-C" if sig == signal.SIGINT else sig.name
     if stopped is None or records is None:
         log.error("stopped by %s (forwarded to the ranks, which had --shutdown-timeout to end)", name)
         return 128 + int(sig)
-    again = f"--resume --run-id {run_id}"
     ranks = range(opts.nproc())
     if records.keys() == set(ranks):
         # The ranks agree on one stop code (Ctrl-C on any node wins over SIGTERM): either shows a checkpoint.
         if all(record.stopped_with_checkpoint for record in records.values()):
-            log.warning("%s: every rank stopped at a step boundary with a checkpoint. Continue with: %s", name, again)
+            again = f" Continue with: {resume_hint}" if resume_hint else ""
+            log.warning("%s: every rank stopped at a step boundary with a checkpoint.%s", name, again)
             return stopped
         if all(record.exit_code == 0 for record in records.values()):  # they had finished as the signal came
             log.warning("%s after every rank had finished", name)
@@ -67,31 +70,33 @@ def report_stop(
             )
         elif not record.stopped_with_checkpoint:
             log.error("%s: %s did not stop with a checkpoint: %s", name, rank, _describe(record.exit_code, ""))
-    log.error(
-        "%s: not every rank stopped with a checkpoint; %s continues from the newest committed checkpoint, if any",
-        name,
-        again,
-    )
+    again = f"; {resume_hint} continues from the newest committed checkpoint, if any" if resume_hint else ""
+    log.error("%s: not every rank stopped with a checkpoint%s", name, again)
     return 128 + int(sig)  # not the stop code: a scheduler requeues on that one
 
 
-def report_failure(error: ChildFailedError, logs: RankLogs | None) -> int:
+def report_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool) -> int:
     """Name the rank that failed first (by time: the root cause; the others often follow from it), its error and
-    its log file, then the ranks that followed; the exit code for the CLI."""
+    its log file, then the ranks that followed; the exit code for the CLI. `worker`: the ranks ran trainmesh's
+    worker, whose exit codes mean what EXIT_MEANINGS says; a script's are its own. So the CLI exits 2 (fix the
+    config or inputs) only when trainmesh's worker said so, and 1 for any other failed rank."""
     first_rank, first = error.get_first_failure()
-    log.error("rank %d failed first: %s%s", first_rank, _describe(first.exitcode, first.signal_name()), _log_of(first))
+    user_error = worker and first.exitcode == EXIT_USER_ERROR
+    described = _describe(first.exitcode, first.signal_name(), worker)
+    log.error("rank %d failed first: %s%s", first_rank, described, _log_of(first))
     message: object = first.message  # the error file's text, or its nested {"message": ...} record
     if isinstance(message, dict):
         message = message.get("message", "")
-    if message and first.exitcode != EXIT_USER_ERROR:  # a user error's message is in the rank's log
+    if message and not user_error:  # a user error's message is in the rank's log
         log.error("rank %d error: %s", first_rank, message)
     stderr = Path(first.error_file).parent / STDERR
     if logs is not None and not logs.shown(first.local_rank) and stderr.is_file():  # the console did not show it
         log.error("the end of rank %d's %s:\n%s", first_rank, stderr, textwrap.indent(tail(stderr), "  | "))
     for rank, failure in sorted(error.failures.items()):
         if rank != first_rank:
-            log.error("rank %d then: %s%s", rank, _describe(failure.exitcode, failure.signal_name()), _log_of(failure))
-    return EXIT_USER_ERROR if first.exitcode == EXIT_USER_ERROR else 1
+            described = _describe(failure.exitcode, failure.signal_name(), worker)
+            log.error("rank %d then: %s%s", rank, described, _log_of(failure))
+    return EXIT_USER_ERROR if user_error else 1
 
 
 def _log_of(failure: ProcessFailure) -> str:
@@ -125,9 +130,10 @@ def explain_rendezvous_failure(error: Exception, opts: LaunchOptions) -> str:
     return f"the rendezvous at {where} failed: {first_line}\nCheck that {same_flags}."
 
 
-def _describe(exitcode: int, signal_name: str) -> str:
+def _describe(exitcode: int, signal_name: str, worker: bool = True) -> str:
+    """A rank's end in words; `worker`: it ran trainmesh's worker, so its exit code means what EXIT_MEANINGS says."""
     if exitcode < 0:
         return f"killed by signal {signal_name} ({exitcode})"
-    if exitcode in EXIT_MEANINGS:
+    if worker and exitcode in EXIT_MEANINGS:
         return f"exit code {exitcode}: {EXIT_MEANINGS[exitcode]}"
     return f"exit code {exitcode}"

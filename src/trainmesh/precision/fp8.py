@@ -25,6 +25,7 @@ at gather time), as torchtitan's float8 converter does after every step.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from typing import Any
 
 import torch
@@ -154,12 +155,33 @@ def _capability(capability: tuple[int, int]) -> str:
 
 
 def torchao_problem(precision: str) -> str | None:
-    """A message when torchao's float8 training cannot be imported; None when it can."""
+    """A message when torchao's float8 training cannot be imported: not installed, or installed but broken (a build
+    for another torch, a release without the API used here); None when it can. Only fp8-mixed imports torchao. Its
+    own `Failed to load ..._C_*.so` warnings, at import, are about its C++ kernels (mxfp8, CUTLASS), which float8
+    training does not use."""
     try:
-        import torchao.float8  # noqa: F401
-    except ImportError as e:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except ModuleNotFoundError as e:
+        if not (e.name or "torchao").startswith("torchao"):  # torchao is there, but a module it needs is not
+            return _broken_torchao(precision, e)
         return (
-            f"train.precision={precision!r} needs torchao (its float8 training), which cannot be imported here "
-            f"({e}). Fix: pip install 'trainmesh[fp8]', or --train.precision=bf16-mixed."
+            f"train.precision={precision!r} needs torchao (its float8 training: torchao>=0.10, trainmesh's [fp8] "
+            f"extra), which is not installed here ({e}). Fix: pip install 'trainmesh[fp8]', or "
+            "--train.precision=bf16-mixed."
         )
+    except Exception as e:  # an import that fails another way: a build for another torch or Python, an older API
+        return _broken_torchao(precision, e)
     return None
+
+
+def _broken_torchao(precision: str, error: Exception) -> str:
+    try:
+        installed = f"torchao {importlib.metadata.version('torchao')}"
+    except importlib.metadata.PackageNotFoundError:
+        installed = "torchao"
+    return (
+        f"train.precision={precision!r} needs torchao's float8 training (Float8LinearConfig, "
+        f"convert_to_float8_training), but {installed} fails to import it with torch {torch.__version__} here "
+        f"({type(error).__name__}: {error}). Fix: install a torchao release built for this torch (pip install -U "
+        "'trainmesh[fp8]'), or --train.precision=bf16-mixed."
+    )

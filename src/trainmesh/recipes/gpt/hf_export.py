@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from trainmesh.checkpoint.export import ExportError, ExportUsageError, export_metadata
+from trainmesh.checkpoint.export import ExportError, ExportUsageError, export_metadata, save_safetensors
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.data.gpt2 import gpt2_vocab
 from trainmesh.recipes.gpt.hf import hf_config, to_hf_state
@@ -56,7 +55,7 @@ class HFFormat:
             tensors = to_hf_state(full["model"], cfg)
         except ValueError as e:
             raise ExportError(f"cannot export this checkpoint as GPT-2: {e}") from None
-        save_file(tensors, str(folder / WEIGHTS), metadata=export_metadata(state))  # its format=pt: transformers'
+        save_safetensors(folder / WEIGHTS, tensors, export_metadata(state))  # its format=pt: transformers'
         dtype = full["model"]["wte.weight"].dtype
         gpt2_tokens = _gpt2_tokens(state)
         _write_json(folder / CONFIG, hf_config(cfg, dtype, gpt2_tokens))

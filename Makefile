@@ -23,9 +23,15 @@ RAY_PY := $(RAY_VENV)/bin/python
 
 .PHONY: run test lint typecheck unit bench gpu-check test-ray clean
 
-$(VENV)/.installed: pyproject.toml
+# `make run` installs what the default job needs (trainmesh and its core dependencies); `make test` adds the dev
+# extras (the tokenizer, data, tracker and fp8 packages the suite exercises, ruff and mypy) on top.
+$(VENV)/.installed-run: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-run
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -35,7 +41,7 @@ $(RAY_VENV)/.installed: pyproject.toml
 	$(RAY_PY) -m pip install -q -e ".[dev,ray]"
 	touch $@
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed-run
 	$(VENV)/bin/trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node $(NPROC)
 
 lint: $(VENV)/.installed
@@ -51,7 +57,7 @@ test: lint typecheck
 test-ray: $(RAY_VENV)/.installed
 	OMP_NUM_THREADS=1 $(RAY_PY) -m pytest -q -rs --durations=5 tests/ray_train
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-run
 	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
 
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)

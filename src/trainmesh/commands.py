@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import re
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +21,20 @@ from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv
 from trainmesh.core.files import make_dirs
 from trainmesh.core.rank_logs import LOGS_DIR, NO_LOG_DIR, LogSettings
-from trainmesh.job import Job, check_data, load_config, resolve
+from trainmesh.job import Job, check_data, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.metrics.trackers import check_installed
 from trainmesh.precision import check_precision_supported
 from trainmesh.recipes import Recipe, get_recipe
-from trainmesh.rundir import CONFIG_FILE, RunLock, check_auto_resume, new_job_id, take_run_dir, write_config
+from trainmesh.resume import load_run_config
+from trainmesh.rundir import (
+    LAUNCH_CONFIG_FILE,
+    RunLock,
+    check_auto_resume,
+    new_job_id,
+    take_run_dir,
+    write_launch_config,
+)
 
 log = logging.getLogger("trainmesh")
 
@@ -99,9 +108,11 @@ def run_script(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`trainmesh run <recipe>`: check everything, claim the run folder, write its config, launch."""
+    """`trainmesh run <recipe>`: check everything, claim the run folder, launch; a resume continues from the run's
+    own config (resume.py)."""
     opts = launch_options(args)
-    jobs = resolve_all(load_config(args.config, overrides, args.target), opts)  # before anything is written
+    start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
+    jobs = resolve_all(start.config, opts)  # before anything is written
     config = jobs[0].config
     check_this_machine(config, opts)
     run_id, out_dir = config.run.id, Path(config.run.out_dir)
@@ -110,6 +121,20 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
     auto = check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
     run_dir = take_run_dir(out_dir, run_id, config.run.recipe, config.checkpoint.resume)
+    hint = resume_command(args, config.run.recipe, run_dir.name)
+    if start.run_dir is not None:
+        log.info("%s", start.describe())
+        if start.finished:
+            log.warning(
+                "run %s has finished: its newest checkpoint is at step %d, train.max_steps=%d; nothing to train. "
+                "To train it longer: %s -- --train.max_steps=%d",
+                run_dir.name,
+                start.step,
+                config.train.max_steps,
+                hint,
+                2 * start.step,
+            )
+            return 0
     low, high = opts.node_bounds()
     # Membership changes restart every worker, and a node that did not fail (one joining, or its peers when a
     # job grows) keeps restart count 0: so every (re)start of an elastic job continues from the run's newest
@@ -121,50 +146,66 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     auto = auto and bool(list_checkpoints(run_dir))  # --auto-resume: resume once there is something to resume
     job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic or auto)
-    return launch_into(opts, jobs, job, run_dir, suffix or new_job_id())
+    return launch_into(opts, jobs, job, run_dir, suffix or new_job_id(), hint)
 
 
-def launch_into(opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, launch_id: str) -> int:
+def resume_command(args: argparse.Namespace, recipe: str, run_id: str) -> str:
+    """The command that continues run `run_id`: this launch's own flags (`args.relaunch`, which the CLI keeps
+    from the command line as typed), with --resume and the run's name; the run's config.toml has the rest."""
+    relaunch = getattr(args, "relaunch", None) or ["trainmesh", "run", recipe]
+    return shlex.join([*relaunch, "--resume", "--run-id", run_id])
+
+
+def launch_into(
+    opts: LaunchOptions, jobs: list[Job], job: Job, run_dir: Path, launch_id: str, resume_hint: str | None = None
+) -> int:
     """Hold `run_dir`'s lock, write (or, on a node that joins, match) the job's config there and launch its
     workers; the exit code for the CLI. `jobs`: the job at every world size the launch may run at, for the log;
-    `launch_id`: the same on every node of a multi-node job."""
-    with hold_run_dir(job, run_dir, launch_id) as config_path:
+    `launch_id`: the same on every node of a multi-node job; `resume_hint`: the command that continues the run
+    after a stop (None: none to print)."""
+    with hold_run_dir(job, run_dir, launch_id, resume_hint) as config_path:
         if opts.logs.log_dir is None:  # every rank's output, kept in the run folder (a real folder inside it)
             logs_dir = str(make_dirs(run_dir, LOGS_DIR))
             opts = dataclasses.replace(opts, logs=dataclasses.replace(opts.logs, log_dir=logs_dir))
         for each in jobs:
             log.info("world size %d: %s", each.world_size, each.batch.describe())
         entry = ["trainmesh", job.config.run.recipe, "--config", str(config_path), "--run-dir", str(run_dir)]
-        return launch(opts, [*entry, "--job", launch_id], module=True, run_id=run_dir.name)
+        return launch(opts, [*entry, "--job", launch_id], module=True, run_id=run_dir.name, resume_hint=resume_hint)
 
 
 @contextlib.contextmanager
-def hold_run_dir(job: Job, run_dir: Path, launch_id: str) -> Iterator[Path]:
+def hold_run_dir(job: Job, run_dir: Path, launch_id: str, resume_hint: str | None = None) -> Iterator[Path]:
     """A launcher's hold on `run_dir` while its workers run: the folder's lock (which the workers' rank 0 joins
-    with `launch_id`), no checkpoints of another run there, and the job's config written (or, on a node that
-    joins, matched); yields the config's path."""
+    with `launch_id`), no checkpoints of another run there, and the job's config written for its workers (or, on
+    a node that joins, matched); yields that file's path. The run's config.toml is the workers' to replace, once
+    they have loaded its checkpoint (rundir.commit_config): a launch that fails before leaves it as it was."""
     with RunLock(run_dir, launch_id) as lock:
-        refuse_other_runs_checkpoints(job, run_dir)
-        yield _write_or_match_config(run_dir, job, joined=lock.joined)
+        refuse_other_runs_checkpoints(job, run_dir, resume_hint)
+        path = _write_or_match_config(run_dir, job, joined=lock.joined)
+        try:
+            yield path
+        finally:
+            if lock.held:
+                path.unlink(missing_ok=True)
 
 
-def refuse_other_runs_checkpoints(job: Job, run_dir: Path) -> None:
+def refuse_other_runs_checkpoints(job: Job, run_dir: Path, resume_hint: str | None = None) -> None:
     """A new run (not resuming) must start in a folder without checkpoints: they would collide with its own."""
     found = [] if job.resume else list_checkpoints(run_dir)
     if found:
-        newest = found[-1].name
+        again = resume_hint or "set checkpoint.resume = true (--resume on the command line)"
         raise LaunchError(
-            f"{run_dir} already holds checkpoints (newest: {newest}); a new run there would collide with them. "
-            f"Fix: --resume --run-id {run_dir.name} to continue it, or another --run-id for a new run."
+            f"{run_dir} already holds checkpoints (newest: {found[-1].name}); a new run there would collide with "
+            f"them. Continue that run with: {again}\nOr start a new run under another --run-id."
         )
 
 
 def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
-    """The launch holding the lock writes the run's config; another node of the same job (sharing the
+    """The launch holding the lock writes the config its workers read; another node of the same job (sharing the
     folder) checks that its own config is the same, instead of overwriting it under running workers."""
     if not joined:
-        return write_config(run_dir, job.config)
-    path = run_dir / CONFIG_FILE
+        return write_launch_config(run_dir, job.config)
+    path = run_dir / LAUNCH_CONFIG_FILE
     deadline = time.monotonic() + 30
     while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
         time.sleep(0.2)
@@ -188,7 +229,10 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = launch_options(args)
     from trainmesh.plan.check import memory_lines
 
-    for job in resolve_all(load_config(args.config, overrides, args.target), opts):
+    start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
+    if start.run_dir is not None:
+        print(start.describe())
+    for job in resolve_all(start.config, opts):
         strategy, dims = job.layout
         print(f"world size {job.world_size}: OK — {strategy} on {dims.describe()}; {job.batch.describe()}")
         print("\n".join(memory_lines(job, opts.nproc())))

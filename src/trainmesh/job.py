@@ -27,6 +27,7 @@ from trainmesh.config.loader import (
     ConfigError,
     build_config,
     config_to_dict,
+    deep_merge,
     dump_toml,
     load_toml,
     merge_overrides,
@@ -97,11 +98,13 @@ class Job:
         )
 
 
-def load_config(path: str | Path | None, overrides: list[str], recipe: str | None = None) -> Config:
-    """Defaults < TOML file < overrides, completed by the recipe (`Recipe.complete_model`); `recipe` (from the
-    command line) must agree with run.recipe."""
+def load_config(
+    path: str | Path | None, overrides: list[str], recipe: str | None = None, base: dict[str, Any] | None = None
+) -> Config:
+    """Defaults < `base` < TOML file < overrides, completed by the recipe (`Recipe.complete_model`); `recipe` (from
+    the command line) must agree with run.recipe. `base`: a run's recorded config, when resuming it (resume.py)."""
     in_toml = load_toml(path) if path else {}
-    data = merge_overrides(in_toml, overrides)
+    data = merge_overrides(deep_merge(base or {}, in_toml), overrides)
     in_file = data.get("run", {}).get("recipe")
     if recipe and in_file and in_file != recipe:
         raise ConfigError(

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import time
+import tomllib
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,12 +31,15 @@ from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import make_new_dir, open_file, write_atomically
+from trainmesh.core.files import make_dirs, make_new_dir, open_file, read_bytes, write_atomically
 from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 
 CONFIG_FILE = "config.toml"
+LAUNCH_CONFIG_FILE = ".config.launch.toml"
+CONFIG_HISTORY_DIR = "config_history"
+_MAX_CONFIG_BYTES = 4 * 2**20  # a config.toml is a few KiB
 LOCK_FILE = ".lock"
 WORKERS_LOCK_FILE = ".lock.workers"
 
@@ -135,11 +139,47 @@ def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
     )
 
 
-def write_config(run_dir: Path, config: Config) -> Path:
-    """Write the resolved config atomically (several node launchers may write the same file)."""
-    path = run_dir / CONFIG_FILE
+def write_launch_config(run_dir: Path, config: Config) -> Path:
+    """The config a launch hands its workers, `<run>/.config.launch.toml`: `config.toml` itself is replaced only
+    once they have taken the folder over and loaded its checkpoint (`commit_config`)."""
+    path = run_dir / LAUNCH_CONFIG_FILE
     write_atomically(path, dump_toml(config_to_dict(config)))
     return path
+
+
+def commit_config(run_dir: Path, config: Config, step: int) -> Path:
+    """Make `config` the run's `config.toml`, once the job has taken the folder over and starts at `step` (its
+    checkpoint loaded, or 0). A recorded config that this one changes is kept first, as
+    `config_history/step_<step>.toml`: what the run trained with up to that step."""
+    path = run_dir / CONFIG_FILE
+    text = dump_toml(config_to_dict(config))
+    try:
+        before = read_bytes(path, _MAX_CONFIG_BYTES).decode(errors="replace")
+    except FileNotFoundError:
+        before = None
+    except (OSError, ValueError) as e:  # a planted symlink (never read through), or not a config: replaced
+        log.warning("%s is replaced without keeping it (%s)", path, e)
+        before = None
+    if before is not None and _what_the_run_is(before) != _what_the_run_is(text):
+        history = make_dirs(run_dir, CONFIG_HISTORY_DIR)
+        kept, n = history / f"step_{step:08d}.toml", 1
+        while kept.exists() or kept.is_symlink():  # resumed from this step before, with another change
+            n += 1
+            kept = history / f"step_{step:08d}-{n}.toml"
+        write_atomically(kept, before)
+        log.info("the run's config changed at step %d; the one before is kept in %s", step, kept)
+    write_atomically(path, text)
+    return path
+
+
+def _what_the_run_is(config_toml: str) -> dict[str, Any] | str:
+    """A recorded config without what each launch decides for itself (whether it resumed)."""
+    try:
+        data = tomllib.loads(config_toml)
+    except tomllib.TOMLDecodeError:
+        return config_toml  # unreadable: kept in the history if replaced
+    data.get("checkpoint", {}).pop("resume", None)
+    return data
 
 
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without flock

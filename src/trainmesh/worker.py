@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,19 +26,21 @@ from trainmesh.core.env import DistEnv, launcher_rank
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.exit_records import record_exit, record_start
 from trainmesh.core.logging import configure_logging, get_logger
+from trainmesh.core.orphans import end_with_launcher
 from trainmesh.faults import FaultPlan
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.recipes import Recipe
+from trainmesh.resume import load_run_config
 from trainmesh.rundir import (
     RunFolderError,
     RunLock,
     check_auto_resume,
+    commit_config,
     create_run_dir,
     hold_as_worker,
     new_job_id,
     resumed_if_checkpointed,
     take_run_dir,
-    write_config,
 )
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.train.hooks import RunHooks
@@ -84,20 +88,30 @@ def run_worker(
         if RUN_ID.fullmatch(run_dir.name):  # a --run-dir of any other name leaves run.id as it is
             job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
         worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
-        runtime.on_main(lambda: write_config(run_dir, job.config))
         if runtime.is_main_process:
-            log.info("run directory: %s", run_dir)
-            log.info("resolved config:\n%s", job.config_toml())
+            strategy, dims = job.layout
+            log.info(
+                "%s recipe, %s on %s; run directory: %s", job.config.run.recipe, strategy, dims.describe(), run_dir
+            )
+            log.log(
+                logging.INFO if job.config.log.verbose else logging.DEBUG, "resolved config:\n%s", job.config_toml()
+            )
         label = runtime.broadcast_object(attempt_label())  # rank 0's: every rank reports into one folder
         stall_watch = StallWatchdog(
             run_dir, job.config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
         )
         faults = FaultPlan.from_environ(runtime.rank, run_dir)  # the test hook, parsed once
         with PreemptionWatch() as preemption, stall_watch as watchdog:
-            hooks = RunHooks(preemption, watchdog, faults, ParityProbe.from_environ())
+            # config.toml is replaced once the run's checkpoint has loaded: a launch that fails before leaves it be
+            committed = job.config
+
+            def started(step: int) -> None:
+                runtime.on_main(lambda: commit_config(run_dir, committed, step))
+
+            hooks = RunHooks(preemption, watchdog, faults, ParityProbe.from_environ(), started)
             result = train(job.config, job.batch, job.recipe, runtime, run_dir, hooks)
         if runtime.is_main_process:
-            _report(result, run_dir)
+            _report(result, run_dir, job.config.run.recipe, launch_id is not None)
         if before_teardown is not None:
             before_teardown(result)
     except BaseException as e:
@@ -152,15 +166,13 @@ def _take_run_dir(
     return Path(path), lock
 
 
-def _report(result: TrainResult, run_dir: Path) -> None:
+def _report(result: TrainResult, run_dir: Path, recipe: str, by_trainmesh_run: bool) -> None:
     if result.preempted:
         log.warning(
-            "stopped at step %d with checkpoint %s. Continue with: --resume --run-id %s (exit code %d)",
-            result.steps,
-            result.checkpoint,
-            run_dir.name,
-            result.exit_code,
+            "stopped at step %d with checkpoint %s (exit code %d)", result.steps, result.checkpoint, result.exit_code
         )
+        if not by_trainmesh_run:  # else its launcher prints the command, with the launch flags it was given
+            log.warning("%s", _continue_hint(run_dir, recipe))
         return
     start = "" if math.isnan(result.initial_val_loss) else f" (at start {result.initial_val_loss:.4f})"
     log.info(
@@ -169,6 +181,14 @@ def _report(result: TrainResult, run_dir: Path) -> None:
     log.info("run directory: %s (config.toml, metrics.jsonl, tensorboard/, loss.png, checkpoints/)", run_dir)
     if result.sample:
         log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, result.sample, "-" * 60)
+
+
+def _continue_hint(run_dir: Path, recipe: str) -> str:
+    """How to continue a run that this worker's own launcher (plain python, torchrun, srun, mpirun) started."""
+    worker_args = ["-m", "trainmesh", recipe, "--resume", "--run-dir", str(run_dir)]
+    if current_env().source == "single":
+        return f"Continue with: {shlex.join([sys.executable, *worker_args])}"
+    return f"To continue, launch this job again as before, the worker's arguments now: {shlex.join(worker_args)}"
 
 
 def parse_worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -203,11 +223,18 @@ def _main(argv: list[str] | None) -> tuple[int, bool]:
     """The exit code, and whether the rank stopped at a step boundary with a checkpoint (on SIGTERM or Ctrl-C)."""
     args, overrides = parse_worker_args(sys.argv[1:] if argv is None else argv)
     configure_logging(launcher_rank())  # torchrun's, MPI's or SLURM's: only rank 0 logs at INFO
+    end_with_launcher()  # a worker whose launcher dies stops at once (core/orphans.py)
     try:
         if args.resume:
             overrides.append("--checkpoint.resume=true")
-        config = load_config(args.config, overrides, args.recipe)
         run_dir = Path(args.run_dir) if args.run_dir else None
+        if args.job:  # started by `trainmesh run`, with the config it resolved (a resume's from the run's own)
+            config = load_config(args.config, overrides, args.recipe)
+        else:  # plain python, torchrun, srun: a resume starts from the run's own config here
+            start = load_run_config(args.config, overrides, args.recipe, auto_resume=args.auto_resume, run_dir=run_dir)
+            if start.run_dir is not None:
+                log.info("%s", start.describe())
+            config = start.config
         if args.auto_resume:
             check_auto_resume(True, args.resume, config.run.id or (run_dir.name if run_dir else ""))
             run_dir = run_dir or Path(config.run.out_dir) / config.run.id  # named: created when missing

@@ -47,7 +47,9 @@ def _command(root: Path, name: str, *flags: str, restarts: int = 1, overrides: l
 
 
 def _env(fault: str = "") -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
+    """The environment of a launch: `trainmesh` on the PATH, as the commands trainmesh prints expect."""
+    path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "TRAINMESH_FAULT": fault}
 
 
 def _train(
@@ -190,17 +192,26 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
     assert job.returncode == code, stderr[-3000:]
     stopped = latest_checkpoint(root / "runs" / name)
     assert stopped is not None and 0 < int(stopped.name[5:]) < 60, stderr[-2000:]
-    assert said in stderr and f"Continue with: --resume --run-id {name}" in stderr
+    assert said in stderr, stderr[-3000:]
+    printed = re.search(r"Continue with: (.*)", stderr)
+    assert printed, stderr[-3000:]
+    hint = shlex.split(printed.group(1))
+    assert hint[:3] == ["trainmesh", "run", "gpt"] and hint[-3:] == ["--resume", "--run-id", name], hint
     assert "Traceback" not in stderr, stderr[-3000:]
-    if sig == signal.SIGINT:  # while here: a resume with another model is refused, plainly, on every rank
-        other = _train(root, name, "--resume", restarts=0, overrides=[*overrides, "--model.n_layer=3"])
+    config = root / "runs" / name / "config.toml"
+    recorded = config.read_bytes()
+    if sig == signal.SIGINT:  # while here: a resume with another model is refused before launch, plainly
+        other = subprocess.run(
+            [*hint, "--", "--model.n_layer=3"], cwd=root, env=_env(), capture_output=True, text=True, timeout=60
+        )
         assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
-        refused = "holds a different model; nothing was loaded"  # said by every rank, rank 1 in its log file
-        assert refused in other.stderr, other.stderr[-3000:]
-        assert refused in rank_output(root / "runs" / name / "logs", 1)
-    resumed = _train(root, name, "--resume", restarts=0, overrides=overrides)
+        assert "model.n_layer: the checkpoint has 2, this command gives 3" in other.stderr, other.stderr[-3000:]
+        assert "torchrun" not in other.stderr  # nothing was launched
+        assert config.read_bytes() == recorded  # and the run's config is as it was
+    resumed = subprocess.run(hint, cwd=root, env=_env(), capture_output=True, text=True, timeout=150)  # as printed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {stopped}" in resumed.stderr
+    assert f"run {name} continues from step {int(stopped.name[5:])} with its own config" in resumed.stderr
     final = read_full_state(latest_checkpoint(root / "runs" / name))  # type: ignore[arg-type]
     for key, value in reference.items():
         assert torch.equal(final["model"][key], value), key
@@ -356,5 +367,6 @@ def test_a_rank_that_cannot_stop_in_time_makes_the_stop_a_failure_that_names_it(
     assert job.returncode == 143, stderr[-3000:]
     for rank in (0, 1):
         assert f"SIGTERM: rank {rank} did not stop with a checkpoint: it recorded no exit code" in stderr, stderr
-    assert "not every rank stopped with a checkpoint; --resume --run-id cannot-stop continues" in stderr
+    assert "not every rank stopped with a checkpoint; trainmesh run gpt" in stderr
+    assert "--resume --run-id cannot-stop continues from the newest committed checkpoint" in stderr
     assert "every rank stopped at a step boundary" not in stderr

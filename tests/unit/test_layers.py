@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"recipes"},
     {"train"},
     {"job", "rundir", "launch", "reference"},
-    {"plan", "schedulers"},  # predictions for a resolved job (`trainmesh plan`, check's memory line); job files
+    {"plan", "schedulers", "resume"},  # predictions for a resolved job; job files; what a resume starts from
     {"worker", "commands", "horovodrun"},  # horovodrun: `trainmesh horovodrun`, mapped onto launch
     {"bench", "parity", "integrations"},  # built on `run` (commands); integrations: other launchers (Ray Train)
     {"cli", "__main__"},

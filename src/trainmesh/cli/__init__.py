@@ -28,7 +28,7 @@ import logging
 import sys
 from pathlib import Path
 
-from trainmesh.cli.flags import RECIPE_NAMES, build_parser, split_recipe_args
+from trainmesh.cli.flags import RECIPE_NAMES, build_parser, relaunch_tokens, split_recipe_args
 from trainmesh.cli.launch_flags import refuse_bad_environment
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.command_line = ["trainmesh", *argv]  # for parity.json
                 return cmd_parity(args, overrides)
             return commands.cmd_check(args, overrides)
+        args.relaunch = relaunch_tokens(argv)  # for the command that resumes the run, which trainmesh prints
         return commands.cmd_run(args, overrides)
     except UserError as e:
         log.error("%s", e)

@@ -324,7 +324,7 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     tokens = list(args.rest)
     _, rest = tail.parse_known_args([t for t in tokens if t != "--"], namespace=args)
     refuse_bad_environment(parser, args)
-    overrides = [t for t in rest if t.startswith("--") and "=" in t and "." in t.split("=", 1)[0]]
+    overrides = [t for t in rest if _is_override(t)]
     unknown = [t for t in rest if t not in overrides]
     if unknown:
         parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
@@ -333,6 +333,29 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if getattr(args, "resume", False):
         overrides.append("--checkpoint.resume=true")
     return overrides
+
+
+_NAMING_THE_RUN = ("--config", "--run-id", "--run_id")  # flags with a value that a resume takes from the run
+_RESUME_FLAGS = ("--resume", "--auto-resume", "--auto_resume")
+
+
+def relaunch_tokens(argv: list[str]) -> list[str]:
+    """`trainmesh` and the command line `argv` (`run <recipe> ...`) without the config, the run's name, the resume
+    flags and the overrides: the launch flags as the user typed them, which a command that resumes the run repeats
+    (its config.toml holds the rest)."""
+    kept, tokens = ["trainmesh"], iter(argv)
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if flag in _NAMING_THE_RUN:
+            if "=" not in token:
+                next(tokens, None)  # its value
+        elif token != "--" and flag not in _RESUME_FLAGS and not _is_override(token):
+            kept.append(token)
+    return kept
+
+
+def _is_override(token: str) -> bool:
+    return token.startswith("--") and "=" in token and "." in token.split("=", 1)[0]
 
 
 def _version() -> str:

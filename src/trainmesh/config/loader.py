@@ -67,6 +67,15 @@ def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return merged
 
 
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `top`'s values on top, section by section (a copy; `top` wins where both set a value)."""
+    merged = _deep_copy(base)
+    for key, value in top.items():
+        below = merged.get(key)
+        merged[key] = deep_merge(below if isinstance(below, dict) else {}, value) if isinstance(value, dict) else value
+    return merged
+
+
 def build_config(data: dict[str, Any], model_cls: type[ModelConfig]) -> Config:
     """Turn a nested dict into a validated `Config`; the `[model]` section uses `model_cls`."""
     data = _deep_copy(data)

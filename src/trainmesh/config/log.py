@@ -26,6 +26,8 @@ class LogConfig:
     """The tracker run's display name; empty: the run id."""
     tags: tuple[str, ...] = ()
     """Tags of the tracker run (wandb tags; MLflow tags with an empty value), e.g. ["baseline", "gpt-tiny"]."""
+    verbose: bool = False
+    """Also show the whole resolved config on the console as the run starts (it is always in <run>/config.toml)."""
     mlflow_tracking_uri: str = ""
     """MLflow's tracking server or store (http://host:5000, databricks, file:/path); empty: MLflow's own default
     (the MLFLOW_TRACKING_URI variable, else sqlite:///mlflow.db in the working directory, which needs the full

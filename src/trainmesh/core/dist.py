@@ -14,9 +14,14 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.core.env import DistEnv, free_port
+from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
+
+
+class DeviceError(UserError, RuntimeError):
+    """dist.device names a device this machine does not have: a one-line error with the fix, not a traceback."""
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
@@ -30,21 +35,21 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
             requested = "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise DeviceError(
                 "dist.device='cuda' but torch sees no CUDA GPU "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
                 "Fix: run on a GPU machine, install a CUDA build of torch, or set --dist.device=cpu."
             )
         count = torch.cuda.device_count()
         if env.local_rank >= count:
-            raise RuntimeError(
+            raise DeviceError(
                 f"LOCAL_RANK={env.local_rank} but only {count} GPU(s) are visible on this node "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
                 f"Fix: --nproc-per-node {count} (or 'auto')."
             )
         return torch.device("cuda", env.local_rank)
     if requested == "mps" and not _mps_available():
-        raise RuntimeError("dist.device='mps' but MPS is not available. Fix: set --dist.device=cpu.")
+        raise DeviceError("dist.device='mps' but MPS is not available. Fix: set --dist.device=cpu.")
     return torch.device(requested)
 
 

@@ -51,6 +51,10 @@ class Recipe(ABC):
                 "Fix: --data.source=<an existing path>, or --data.source=embedded."
             )
 
+    checkpoint_pins: tuple[str, ...] = ()
+    """The config keys besides run.recipe whose values this recipe's checkpoints depend on (the shapes of the
+    tensors, what a token id means): a resume must keep them, and one that changes them is refused before launch."""
+
     def tokens_per_sample(self, model: ModelConfig) -> int:
         """Tokens in one sample, for token-denominated batch sizes; 0 when samples are not token sequences."""
         del model

@@ -27,6 +27,9 @@ class RunHooks:
     """The faults TRAINMESH_FAULT plans for this rank (tests only)."""
     probe: ParityProbe | None = None
     """Fingerprints of every step for `trainmesh check --parity` (TRAINMESH_PARITY_RECORD); None: off."""
+    started: Callable[[int], None] = lambda step: None
+    """Called on every rank once the run starts at this step, its checkpoint loaded (or step 0): the worker then
+    makes the run's config.toml this launch's config (collective)."""
 
     def before_data(self, step: int) -> None:
         """Optimizer step `step` (from 1) is about to read its batch."""

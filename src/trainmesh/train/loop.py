@@ -88,6 +88,7 @@ def train(
     hooks = hooks or RunHooks()
     with StepProfiler(config.profile, run_dir, runtime.rank, runtime.device) as profiler:
         session = set_up(config, plan, recipe, runtime, run_dir, hooks.faults)
+        hooks.started(session.start_step)
         try:
             with Monitor(runtime.device) as monitor:  # host and device figures for the metrics, off this thread
                 window = MetricsWindow(plan, runtime, session.flops_per_token, session.peak, profiler.clock, monitor)

@@ -42,6 +42,10 @@ class GPTRecipe(Recipe):
     name = "gpt"
     model_config_cls = GPTConfig
     data_sources = "'embedded', a text file, or a folder of token shards"
+    checkpoint_pins = (
+        "data.tokenizer",
+        *(f"model.{key}" for key in ("size", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")),
+    )
 
     def tokens_per_sample(self, model: ModelConfig) -> int:
         assert isinstance(model, GPTConfig)

@@ -37,6 +37,10 @@ class ResNetRecipe(Recipe):
     name = "resnet"
     model_config_cls = ResNetConfig
     data_sources = "'embedded' (scikit-learn's digits), or a folder of class sub-folders of images"
+    # image_size too: model.stem=auto picks the stem (and so its weights' shapes) by it
+    checkpoint_pins = tuple(
+        f"model.{key}" for key in ("depth", "width", "num_classes", "in_channels", "stem", "image_size")
+    )
     eval_metrics = ("top1",)
 
     def complete_model(self, config: Config) -> ModelConfig:

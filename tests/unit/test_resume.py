@@ -1,0 +1,132 @@
+"""What a resume starts from (trainmesh.resume), how a run's config.toml is replaced (rundir.commit_config), and the
+launch flags a printed resume command repeats (cli.flags.relaunch_tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from support import nano_config
+from trainmesh.checkpoint.state import TRAINER_STATE
+from trainmesh.cli.flags import relaunch_tokens
+from trainmesh.config import ConfigError, dump_toml
+from trainmesh.config.loader import config_to_dict
+from trainmesh.resume import RunStart, load_run_config
+from trainmesh.rundir import CONFIG_FILE, commit_config
+
+
+def _recorded_run(root: Path, *overrides: str, step: int = 4) -> Path:
+    """A run folder as a run with `overrides` leaves it: its config.toml and one checkpoint's trainer state."""
+    config = nano_config(root, "--run.id=r", *overrides)
+    run_dir = root / "runs" / "r"
+    checkpoint = run_dir / "checkpoints" / f"step_{step:08d}"
+    checkpoint.mkdir(parents=True)
+    (run_dir / CONFIG_FILE).write_text(dump_toml(config_to_dict(config)))
+    state = {"step": step, "samples_seen": 16, "world_size": 1, "config": config_to_dict(config)}
+    (checkpoint / TRAINER_STATE).write_text(json.dumps(state))
+    return run_dir
+
+
+def _resume(root: Path, *overrides: str, path: Path | None = None, auto: bool = False) -> RunStart:
+    command = [f"--run.out_dir={root / 'runs'}", "--run.id=r", *([] if auto else ["--checkpoint.resume=true"])]
+    return load_run_config(path, [*command, *overrides], "gpt", auto_resume=auto)
+
+
+def test_a_resume_starts_from_the_runs_config_with_the_command_line_on_top(tmp_path: Path) -> None:
+    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3", "--optim.lr=0.5")
+    start = _resume(tmp_path, "--train.max_steps=9")
+    config = start.config
+    assert (config.model.n_embd, config.optim.lr, config.train.max_steps) == (48, 0.5, 9)
+    assert start.changes == ("train.max_steps: 4 -> 9",)
+    assert start.step == 4 and not start.finished
+    assert config.checkpoint.resume  # this launch's decision, not the recorded one's
+
+
+def test_a_config_file_given_with_resume_sets_only_its_own_keys(tmp_path: Path) -> None:
+    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    file = tmp_path / "more.toml"
+    file.write_text("[optim]\nlr = 0.25\n")
+    config = _resume(tmp_path, "--optim.lr=0.125", path=file).config
+    assert (config.model.n_embd, config.optim.lr) == (48, 0.125)  # run < file < overrides
+    assert _resume(tmp_path, path=file).config.optim.lr == 0.25
+
+
+def test_auto_resume_uses_the_record_and_without_one_the_command(tmp_path: Path) -> None:
+    assert _resume(tmp_path, auto=True).run_dir is None  # nothing there yet
+    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    assert _resume(tmp_path, auto=True).config.model.n_embd == 48
+    plain = load_run_config(None, [f"--run.out_dir={tmp_path / 'runs'}", "--run.id=r"], "gpt")
+    assert plain.run_dir is None and plain.config.model.n_embd != 48  # not asked to resume: a new config
+
+
+def test_every_pinned_change_is_refused_naming_both_values_and_where_it_was_set(tmp_path: Path) -> None:
+    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    file = tmp_path / "shape.toml"
+    file.write_text("[model]\nblock_size = 64\n")
+    with pytest.raises(ConfigError) as refused:
+        _resume(tmp_path, "--model.n_layer=3", path=file)
+    message = str(refused.value)
+    assert (
+        "model.n_layer: the checkpoint has 2, this command gives 3 (--model.n_layer=... on the command line)" in message
+    )
+    assert f"model.block_size: the checkpoint has 32, this command gives 64 (set in --config {file})" in message
+    assert "Fix: leave these keys out" in message
+
+
+def test_the_checkpoint_is_compared_even_when_config_toml_was_edited_or_lost(tmp_path: Path) -> None:
+    run_dir = _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    (run_dir / CONFIG_FILE).write_text('[model]\nsize = "nano"\nn_embd = 60\nn_head = 3\n')  # edited by hand
+    with pytest.raises(ConfigError, match="model.n_embd: the checkpoint has 48, this command gives 60"):
+        _resume(tmp_path)
+    (run_dir / CONFIG_FILE).write_text("not [ toml")  # garbled: the checkpoint's record is the base
+    assert _resume(tmp_path).config.model.n_embd == 48
+    (run_dir / CONFIG_FILE).unlink()
+    assert _resume(tmp_path).config.model.n_embd == 48
+
+
+def test_another_recipe_is_refused_with_the_command_that_resumes(tmp_path: Path) -> None:
+    _recorded_run(tmp_path)
+    command = [f"--run.out_dir={tmp_path / 'runs'}", "--run.id=r", "--checkpoint.resume=true"]
+    with pytest.raises(ConfigError, match="Fix: trainmesh run gpt --resume --run-id r"):
+        load_run_config(None, command, "resnet")
+
+
+def test_a_finished_run_is_recognised(tmp_path: Path) -> None:
+    _recorded_run(tmp_path, step=4)
+    assert _resume(tmp_path).finished  # its max_steps is 4
+    assert not _resume(tmp_path, "--train.max_steps=8").finished
+
+
+def test_config_toml_is_replaced_keeping_the_one_it_replaces(tmp_path: Path) -> None:
+    first = nano_config(tmp_path)
+    commit_config(tmp_path, first, 0)
+    commit_config(tmp_path, dataclasses.replace(first), 4)  # the same config: no history
+    assert not (tmp_path / "config_history").exists()
+    longer = nano_config(tmp_path, "--train.max_steps=8")
+    original = (tmp_path / CONFIG_FILE).read_bytes()
+    commit_config(tmp_path, longer, 4)
+    assert (tmp_path / "config_history" / "step_00000004.toml").read_bytes() == original
+    commit_config(tmp_path, nano_config(tmp_path, "--train.max_steps=9"), 4)  # again from step 4
+    assert (tmp_path / "config_history" / "step_00000004-2.toml").is_file()
+    assert "max_steps = 9" in (tmp_path / CONFIG_FILE).read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "kept"),
+    [
+        (
+            ["run", "gpt", "--config", "c.toml", "--nproc-per-node", "2", "--run-id", "x", "--", "--train.max_steps=9"],
+            ["trainmesh", "run", "gpt", "--nproc-per-node", "2"],
+        ),
+        (
+            ["run", "--config=c.toml", "gpt", "--run-id=x", "--auto-resume", "--nnodes", "2", "--rdzv-endpoint=h:1"],
+            ["trainmesh", "run", "gpt", "--nnodes", "2", "--rdzv-endpoint=h:1"],
+        ),
+        (["run", "gpt", "--resume", "--run_id", "x", "--model.n_layer=3"], ["trainmesh", "run", "gpt"]),
+    ],
+)
+def test_a_resume_command_repeats_the_launch_flags_as_typed(argv: list[str], kept: list[str]) -> None:
+    assert relaunch_tokens(argv) == kept

@@ -77,6 +77,11 @@ def _fake_slurm(root: Path) -> Path:
     return fake_bin
 
 
+def _sbatch_cpus_per_task(script: Path) -> str:
+    (line,) = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH --cpus-per-task=")]
+    return line.partition("=")[2]
+
+
 def _attempt(script: Path, root: Path, restart: int, term_after: str, mode_env: dict[str, str]) -> tuple[int, str]:
     env = {
         **os.environ,
@@ -88,6 +93,7 @@ def _attempt(script: Path, root: Path, restart: int, term_after: str, mode_env: 
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "127.0.0.1",
         "SLURM_NNODES": "2",
+        "SLURM_CPUS_PER_TASK": _sbatch_cpus_per_task(script),  # as sbatch sets it from the script
         "SLURM_RESTART_COUNT": str(restart),
         "MASTER_PORT": str(free_port()),
     }
@@ -113,6 +119,9 @@ def test_stopped_at_the_time_limit_requeued_and_continued(
     code, log = _attempt(script, tmp_path, 0, f"{run_dir / 'metrics.jsonl'}:8", mode_env)
     assert code == 75, log[-3000:]
     assert "requeueing job 4242" in log and "scontrol requeue 4242" in (tmp_path / "calls.log").read_text()
+    # a CPU for the rank and one for its loader worker, asked of srun too (it no longer inherits it since 22.05)
+    (srun,) = [line for line in (tmp_path / "calls.log").read_text().splitlines() if line.startswith("srun ")]
+    assert " --cpus-per-task=2 " in srun, srun
     (stopped,) = [p.name for p in (run_dir / "checkpoints").glob("step_*")]
     assert 0 < int(stopped[5:]) < 60, stopped
 

@@ -4,6 +4,8 @@ exit 2 before anything is printed."""
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ import yaml
 
 from trainmesh.cli import main
 from trainmesh.config import load_toml
+from trainmesh.job import load_config, resolve
+from trainmesh.schedulers.kubernetes import RANK_MEMORY_GI, WORKER_MEMORY_GI, K8sJob, render_manifests
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = str(ROOT / "configs" / "gpt2-124m.toml")
@@ -117,6 +121,82 @@ def test_the_grace_period_and_the_agents_shutdown_timeout_match(capsys: pytest.C
     assert "- --shutdown-timeout\n" in text and "- '585'" in text
 
 
+@pytest.mark.parametrize("kind", ["pytorchjob", "jobset"])
+def test_each_pod_asks_for_cpus_and_memory_for_its_ranks_and_loader_workers(
+    capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """gpt2-124m.toml has 2 loader workers a rank: 8 ranks x (1 + 2) cores, 8 x (16Gi + 2 x 2Gi); the limits equal the
+    requests (QoS class Guaranteed: the last evicted, and whole cores under the static CPU manager)."""
+    assert _resources(_manifests(capsys, "--kind", kind)[1]) == {
+        "requests": {"cpu": "24", "memory": "160Gi"},
+        "limits": {"cpu": "24", "memory": "160Gi", "nvidia.com/gpu": 8},
+    }
+    given = _manifests(capsys, "--kind", kind, "--cpus", "7500m", "--memory", "1.5Ti", "--", "--data.num_workers=0")
+    assert _resources(given[1])["limits"] == {"cpu": "7500m", "memory": "1.5Ti", "nvidia.com/gpu": 8}
+
+
+def _resources(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The container's resources, in a PyTorchJob's worker or a JobSet's pod."""
+    if trainer["kind"] == "PyTorchJob":
+        pod = trainer["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    else:
+        pod = trainer["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    resources: dict[str, Any] = _container(pod)["resources"]
+    return resources
+
+
+def test_the_help_says_how_the_default_resources_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["k8s", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"--gpus-per-node x ({RANK_MEMORY_GI}Gi + data.num_workers x {WORKER_MEMORY_GI}Gi)" in text
+    assert "--gpus-per-node x (1 + data.num_workers)" in text
+
+
+@pytest.mark.parametrize(
+    ("source", "literal"),
+    [
+        ("/data/plain", True),
+        ("/données/日本 #: - |x", True),
+        ("/mnt/tab\there", False),
+        ("/mnt/\u2028line\x85break\u2029", False),  # line breaks to YAML, not to TOML
+    ],
+    ids=["ascii", "non-ascii", "tab", "yaml-line-breaks"],
+)
+def test_the_config_map_holds_the_runs_config_byte_for_byte(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, source: str, literal: bool
+) -> None:
+    """A literal block (`|`) a reviewer reads as the file; where YAML could not hold the text that way, a quoted
+    string, but the same text either way. data.source is not checked for Kubernetes: any string gets here."""
+    config = tmp_path / "config.toml"
+    text = Path(GPT2).read_text().replace('source = "embedded"', f"source = {json.dumps(source, ensure_ascii=False)}")
+    config.write_text(text)
+    flags = ["--config", str(config), "--gpus-per-node", "8", "--image", "r:1", "--name", "x", "--pvc", "r"]
+    assert main(["k8s", "gpt", *flags]) == 0
+    out = capsys.readouterr().out
+    run = resolve(load_config(str(config), ["--run.out_dir=/runs"], "gpt"), 8)
+    config_map = next(yaml.safe_load_all(out))
+    assert config_map["data"]["config.toml"] == run.config_toml()  # as the run folder records it
+    assert tomllib.loads(config_map["data"]["config.toml"])["data"]["source"] == source
+    assert ("  config.toml: |\n    [run]\n" in out) == literal  # the file, line by line, as it reads
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        '[a]\nb = "x"   \n  \n\n',  # trailing spaces, a line of spaces, trailing newlines
+        "  indented first line\nx\n",
+        "x\r\ny\n---\n...\n# not a comment\n: not a key\n",
+        "\ufeffbom\nx\n\x00\x7f\ud7ff\ue000\U0001f600\n",
+        "tab\there\n\x85\u2028\u2029é\n",
+        "no newline at the end",
+    ],
+)
+def test_any_text_round_trips_through_the_yaml(toml: str) -> None:
+    job = K8sJob(recipe="gpt", config_toml=toml, name="x", image="r:1", nodes=1, gpus_per_node=1)
+    assert next(yaml.safe_load_all(render_manifests(job, [], "trainmesh k8s")))["data"]["config.toml"] == toml
+
+
 def test_the_default_name_is_a_dns_label(capsys: pytest.CaptureFixture[str]) -> None:
     docs = _manifests(capsys)
     assert docs[1]["metadata"]["name"] == "gpt-gpt2-124m" and docs[0]["metadata"]["name"] == "gpt-gpt2-124m-config"
@@ -135,6 +215,13 @@ def test_the_default_name_is_a_dns_label(capsys: pytest.CaptureFixture[str]) -> 
         (["--namespace", "ns\nkind: Secret"], "expected a Kubernetes name"),  # no YAML key of its own
         (["--namespace", "My_NS"], "--namespace='My_NS': expected a Kubernetes name"),
         (["--pvc", "runs data"], "--pvc='runs data': expected a Kubernetes name"),
+        (["--cpus", "0"], "--cpus='0' is not a number of CPUs Kubernetes reads"),
+        (["--cpus", "8 cores"], "--cpus='8 cores' is not a number of CPUs Kubernetes reads"),
+        (["--cpus", "-1"], "--cpus='-1'"),
+        (["--memory", "500m"], "--memory='500m' is not an amount of memory Kubernetes reads (m is milli"),
+        (["--memory", "200GB"], "--memory='200GB' is not an amount of memory Kubernetes reads. Fix:"),
+        (["--memory", "0Gi"], "--memory='0Gi'"),
+        (["--", "--data.source=/a\u2028b"], "holds a control character (a newline, a tab, a line separator...)"),
         (["--nodes", "3", "--", "--train.micro_batch=7"], "cannot be split evenly"),  # the config, at 24 ranks
         # Without shared storage, the pods would write each checkpoint in pieces, each in its own container.
         (["--nodes", "2"], "run.out_dir='runs' is inside each pod's container, but the 2 pods of this job"),

@@ -57,8 +57,53 @@ def test_one_task_per_gpu_runs_the_worker_under_srun(capsys: pytest.CaptureFixtu
     script = _generate(capsys, tmp_path, "--one-task-per-gpu", "--run-id", "long-run")
     assert "#SBATCH --ntasks-per-node=4" in script
     assert "RUN_ID=long-run" in script  # a fixed name continues across submissions too
-    assert 'srun "$PYTHON" -m trainmesh gpt --run.id="$RUN_ID" --auto-resume' in script
+    srun = 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$PYTHON" -m trainmesh gpt --run.id="$RUN_ID" --auto-resume'
+    assert srun in script
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "cpus"),
+    [([], 4), (["--", "--data.num_workers=3"], 16), (["--one-task-per-gpu", "--", "--data.num_workers=3"], 4)],
+    ids=["no-loader-workers", "task-per-node", "task-per-gpu"],
+)
+def test_each_task_asks_for_a_cpu_per_rank_and_loader_worker(
+    flags: list[str], cpus: int, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Without --cpus-per-task a site with no CPUs-per-GPU default gives a task one core, for its ranks and their
+    DataLoader workers; and srun (SLURM 22.05 on) must be told again, or it binds each task to one CPU."""
+    script = _generate(capsys, tmp_path, *flags)
+    assert f"#SBATCH --cpus-per-task={cpus}" in script.splitlines()
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in srun
+    assert "#SBATCH --mem" not in script and "#SBATCH --exclusive" not in script  # the partition's, unless asked
+
+
+def test_cpus_memory_exclusive_and_more_sbatch_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    code = main(
+        [
+            "slurm",
+            "--sbatch-option=--constraint=h100",  # before the recipe and after it: both kept, in order
+            "gpt",
+            *["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "32", "--mem", "0", "--exclusive"],
+            *["--sbatch-option=--qos=high", "--sbatch-option=-Cfoo", *NANO, f"--data.cache_dir={tmp_path}"],
+        ]
+    )
+    script = capsys.readouterr().out
+    assert code == 0, script
+    lines = script.splitlines()
+    for line in ("#SBATCH --cpus-per-task=32", "#SBATCH --mem=0", "#SBATCH --exclusive"):
+        assert line in lines, line
+    head = [line for line in lines if line.startswith("#SBATCH")]
+    assert head[-3:] == ["#SBATCH --constraint=h100", "#SBATCH --qos=high", "#SBATCH -Cfoo"]
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+def test_the_help_says_how_the_cpus_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["slurm", "--help"])
+    assert "(default: 1 + data.num_workers for every rank the task runs" in " ".join(capsys.readouterr().out.split())
 
 
 FAKE_SRUN = """#!/bin/bash
@@ -96,13 +141,17 @@ def test_the_script_requeues_on_exit_75_only(
         "FAKE_SCANCEL": "1" if scancel else "0",
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_CPUS_PER_TASK": "4",  # what sbatch sets from #SBATCH --cpus-per-task, and srun no longer reads
     }
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == srun_exit, result.stderr
     calls = log.read_text().splitlines()
     assert calls[0] == "scontrol show hostnames node-[a-b]"
     srun = calls[1]  # the rendezvous at the first host, on the port derived from the job id
-    assert srun.startswith("srun --ntasks-per-node=1 bash -c ") and "--master-addr node-a --master-port 24242" in srun
+    assert (
+        srun.startswith("srun --ntasks-per-node=1 --cpus-per-task=4 bash -c ")
+        and "--master-addr node-a --master-port 24242" in srun
+    )
     assert "--max-restarts 2" in srun and "--run-id gpt-4242 --auto-resume" in srun
     assert "--shutdown-timeout 105" in srun  # --signal-seconds 120, less a margin
     assert ("scontrol requeue 4242" in calls) == requeued, calls
@@ -120,6 +169,18 @@ def test_the_script_requeues_on_exit_75_only(
         (["--partition", "a b"], "--partition='a b': expected a SLURM name"),
         (["--run-id", "../x"], "run.id='../x'"),
         (["--python", "/usr/bin/python\ntouch /tmp/PWNED #"], "holds a control character"),  # no line of its own
+        (["--cpus-per-task", "0"], "--cpus-per-task=0: must be at least 1"),
+        (["--mem", "1.5G"], "--mem='1.5G' is not a memory size sbatch reads"),
+        (["--mem", "200 GB"], "--mem='200 GB' is not a memory size sbatch reads"),
+        (["--sbatch-option=constraint=h100"], "--sbatch-option='constraint=h100': expected one sbatch option"),
+        (["--sbatch-option=--qos=high --constraint=h100"], "holds a space, a quote or a backslash"),
+        (["--sbatch-option=--comment='a b'"], "holds a space, a quote or a backslash"),
+        (["--sbatch-option=--qos=high\n#SBATCH --x"], "--sbatch-option='--qos=high\\n#SBATCH --x' holds a newline"),
+        (["--sbatch-option=--time=1:00:00"], "writes #SBATCH --time itself. Fix: use --time LIMIT"),
+        (["--sbatch-option=-c8"], "writes #SBATCH --cpus-per-task itself. Fix: use --cpus-per-task N"),
+        (["--sbatch-option=--signal=B:USR1@60"], "Fix: use --signal-seconds S"),
+        (["--sbatch-option=--no-requeue"], "the script requeues itself"),
+        (["--mem", "200G", "--sbatch-option=--mem-per-gpu=80G"], "sbatch takes one of --mem, --mem-per-cpu"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_printed(

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.command_line = ["trainmesh", *argv]  # for parity.json
                 return cmd_parity(args, overrides)
             return commands.cmd_check(args, overrides)
-        args.relaunch = relaunch_tokens(argv)  # for the command that resumes the run, which trainmesh prints
+        args.relaunch = relaunch_tokens(argv, invoked_as())  # for the command that resumes the run, which it prints
         return commands.cmd_run(args, overrides)
     except UserError as e:
         log.error("%s", e)
@@ -93,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before torchrun's agent took over the signal: nothing was started yet
         log.warning("interrupted (Ctrl-C) before the workers started")
         return EXIT_INTERRUPTED
+
+
+def invoked_as() -> list[str]:
+    """How to run this command again, as a printed command must: `trainmesh` when that name on PATH is this very
+    program, else the path it was started by (`.venv/bin/trainmesh` after `make run`), else python -m trainmesh.cli."""
+    started = sys.argv[0]
+    if os.path.basename(started) != "trainmesh":  # main() called from Python, or python -m trainmesh.cli
+        return [sys.executable, "-m", "trainmesh.cli"]
+    found = shutil.which("trainmesh")
+    return ["trainmesh"] if found and os.path.samefile(found, started) else [started]
 
 
 def _horovodrun(argv: list[str]) -> int:

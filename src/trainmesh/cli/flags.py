@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.cli.launch_flags import add_launch_flags, refuse_bad_environment
+from trainmesh.cli.scheduler_flags import add_scheduler_flags
 
 RECIPE_NAMES = ("gpt", "resnet")
 """trainmesh.recipes.RECIPES' names, written out so that the parser needs no recipe (torch) import; a test
@@ -113,60 +114,6 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> N
     g.add_argument("--calibration", default=d(None), help="the calibration file (default ~/.cache/trainmesh/...)")
 
 
-def _add_scheduler_flags(parser: argparse.ArgumentParser, command: str, defaults: bool = True) -> None:
-    """`trainmesh slurm`'s or `trainmesh k8s`'s own flags; checked by trainmesh.schedulers (messages that say how
-    to fix)."""
-    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
-    g = parser.add_argument_group(command)
-    g.add_argument("--nodes", type=int, default=d(1), help="nodes (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=d(None), help="GPUs on each node, one process each (required)")
-    if command == "slurm":
-        g.add_argument("--time", default=d(None), help="time limit, e.g. 24:00:00 (default: the partition's)")
-        g.add_argument("--partition", default=d(None), help="SLURM partition")
-        g.add_argument("--account", default=d(None), help="SLURM account to charge")
-        g.add_argument("--job-name", default=d(None), help="SLURM job name (default: the recipe's)")
-        g.add_argument(
-            "--signal-seconds",
-            type=int,
-            default=d(120),
-            help="SIGTERM this many seconds before the time limit: the job saves, stops and requeues (default 120)",
-        )
-        g.add_argument(
-            "--one-task-per-gpu",
-            action="store_true",
-            default=d(False),
-            help="srun one task per GPU running the per-rank worker, instead of one `trainmesh run` per node",
-        )
-        g.add_argument("--max-restarts", type=int, default=d(0), help="torchrun restarts on each node (default 0)")
-        g.add_argument("--python", default=d(None), help="the Python with trainmesh on the nodes (default: this one)")
-    else:
-        g.add_argument("--image", default=d(None), help="container image with trainmesh installed (required)")
-        g.add_argument("--kind", default=d("pytorchjob"), help="pytorchjob (Kubeflow, default) | jobset")
-        g.add_argument("--min-nodes", type=int, default=d(None), help="elastic: fewest nodes to train on (pytorchjob)")
-        g.add_argument("--max-nodes", type=int, default=d(None), help="elastic: most nodes to train on (pytorchjob)")
-        g.add_argument(
-            "--max-restarts",
-            type=int,
-            default=d(3),
-            help="pytorchjob: torchrun restarts of a pod's processes; jobset: restarts of all pods (default 3)",
-        )
-        g.add_argument(
-            "--grace-seconds",
-            type=int,
-            default=d(120),
-            help="the pods' terminationGracePeriodSeconds: time from SIGTERM (preemption, eviction) to SIGKILL in "
-            "which the ranks save a checkpoint and stop (default 120)",
-        )
-        g.add_argument("--name", default=d(None), help="the job's name, also its run id (default: recipe-config)")
-        g.add_argument("--namespace", default=d(None), help="Kubernetes namespace (default: kubectl's)")
-        g.add_argument(
-            "--pvc",
-            default=d(None),
-            help="a ReadWriteMany PersistentVolumeClaim for the run folders (mounted at /runs = run.out_dir): "
-            "checkpoints every pod shares, kept across restarts",
-        )
-
-
 def _add_data_parser(sub: Any) -> None:
     """`trainmesh data prepare`; the values are checked by trainmesh.data.prepare.PrepareOptions."""
     data = sub.add_parser("data", help="prepare token shards for training from text, JSON Lines, Parquet, datasets")
@@ -261,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         scheduler.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
         _add_recipe_flags(scheduler, resume=False)
-        _add_scheduler_flags(scheduler, command)
+        add_scheduler_flags(scheduler, command)
         scheduler.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     plan = sub.add_parser(
         "plan",
@@ -318,7 +265,7 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.command == "plan":
         _add_plan_flags(tail, defaults=False)
     elif args.command in ("slurm", "k8s"):
-        _add_scheduler_flags(tail, args.command, defaults=False)
+        add_scheduler_flags(tail, args.command, defaults=False)
     else:
         add_launch_flags(tail, defaults=False)
     tokens = list(args.rest)
@@ -335,23 +282,34 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return overrides
 
 
-_NAMING_THE_RUN = ("--config", "--run-id", "--run_id")  # flags with a value that a resume takes from the run
-_RESUME_FLAGS = ("--resume", "--auto-resume", "--auto_resume")
+_NAMING_THE_RUN = ("--config", "--run-id")  # flags with a value that a resume takes from the run
+_RESUME_FLAGS = ("--resume", "--auto-resume")
 
 
-def relaunch_tokens(argv: list[str]) -> list[str]:
-    """`trainmesh` and the command line `argv` (`run <recipe> ...`) without the config, the run's name, the resume
+def relaunch_tokens(argv: list[str], program: list[str]) -> list[str]:
+    """`program` and the command line `argv` (`run <recipe> ...`) without the config, the run's name, the resume
     flags and the overrides: the launch flags as the user typed them, which a command that resumes the run repeats
-    (its config.toml holds the rest)."""
-    kept, tokens = ["trainmesh"], iter(argv)
+    (its config.toml holds the rest). Flags are recognised under argparse's abbreviations and `_` spellings too."""
+    kept, tokens = list(program), iter(argv)
     for token in tokens:
-        flag = token.split("=", 1)[0]
+        flag = _full_flag(token.split("=", 1)[0])
         if flag in _NAMING_THE_RUN:
             if "=" not in token:
                 next(tokens, None)  # its value
         elif token != "--" and flag not in _RESUME_FLAGS and not _is_override(token):
             kept.append(token)
     return kept
+
+
+def _full_flag(name: str) -> str:
+    """One of the flags a resume command drops, as `name` abbreviates or spells it (argparse accepts a unique
+    prefix: one of these flags' prefixes is theirs); else `name`."""
+    spelled = name.replace("_", "-")
+    if name.startswith("--") and len(spelled) > 3:
+        for flag in (*_NAMING_THE_RUN, *_RESUME_FLAGS):
+            if flag.startswith(spelled):
+                return flag
+    return name
 
 
 def _is_override(token: str) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from trainmesh.config import dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.core.logging import get_logger
-from trainmesh.schedulers.common import SchedulerError, check_config
+from trainmesh.schedulers.common import SchedulerError, breaks_a_line, check_config
 from trainmesh.schedulers.kubernetes import RUNS_DIR, K8sJob, render_manifests
 from trainmesh.schedulers.slurm import SlurmJob, render_sbatch
 
@@ -44,10 +44,17 @@ def slurm_script(args: argparse.Namespace, overrides: list[str]) -> str:
         signal_seconds=args.signal_seconds,
         one_task_per_gpu=args.one_task_per_gpu,
         max_restarts=args.max_restarts,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
+        exclusive=args.exclusive,
+        sbatch_options=tuple(args.sbatch_option or ()),
     )
     job.check()  # the flags first: they are cheaper to check than the config
     run_id = [f"--run.id={args.run_id}"] if args.run_id else []  # checked as run.id is
-    _, checked = check_config(args.config, [*overrides, *run_id], args.target, [job.nodes * job.gpus_per_node], True)
+    config, checked = check_config(
+        args.config, [*overrides, *run_id], args.target, [job.nodes * job.gpus_per_node], True
+    )
+    job = replace(job, num_workers=config.data.num_workers)  # the default --cpus-per-task counts them
     return render_sbatch(job, checked, _command_line(args))
 
 
@@ -76,6 +83,8 @@ def k8s_manifests(args: argparse.Namespace, overrides: list[str]) -> str:
         namespace=args.namespace,
         pvc=args.pvc,
         grace_seconds=args.grace_seconds,
+        cpus=args.cpus,
+        memory=args.memory,
     )
     job.check()
     if args.pvc:
@@ -86,7 +95,7 @@ def k8s_manifests(args: argparse.Namespace, overrides: list[str]) -> str:
     config, checked = check_config(args.config, overrides, args.target, worlds, data_here=False)
     if not args.pvc and not PurePosixPath(config.run.out_dir).is_absolute():
         _refuse_a_pod_local_run_folder(config.run.out_dir, high)
-    job = replace(job, config_toml=dump_toml(config_to_dict(config)))
+    job = replace(job, config_toml=dump_toml(config_to_dict(config)), num_workers=config.data.num_workers)
     return render_manifests(job, checked, _command_line(args))
 
 
@@ -114,12 +123,13 @@ def _require(value: object, flag: str, what: str) -> None:
 
 def _command_line(args: argparse.Namespace) -> str:
     """The command as typed, for the job file's first comment: refused when an argument holds a control character
-    (a newline would end the comment and run the rest as a line of the script, or add keys to the YAML)."""
+    or a line break (a newline would end the comment and run the rest as a line of the script, or add keys to the
+    YAML)."""
     words = getattr(args, "command_line", ["trainmesh", args.command])
     for word in words:
-        if any(ord(c) < 32 or ord(c) == 127 for c in word):
+        if breaks_a_line(word):
             raise SchedulerError(
-                f"argument {word!r} holds a control character (a newline, a tab...): in the job file it would end a "
-                "line and start another. Fix: remove it."
+                f"argument {word!r} holds a control character (a newline, a tab, a line separator...): in the job "
+                "file it would end a line and start another. Fix: remove it."
             )
     return shlex.join(words)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 from trainmesh.config import Config
@@ -21,6 +22,18 @@ its ranks the rest to save and stop (--shutdown-timeout), then still has time to
 def agent_shutdown_timeout(window_s: int) -> int:
     """`trainmesh run --shutdown-timeout` for a scheduler that SIGKILLs `window_s` seconds after its SIGTERM."""
     return max(window_s - STOP_MARGIN_S, (window_s + 1) // 2)
+
+
+def breaks_a_line(text: str) -> bool:
+    """`text` holds a control character or a Unicode line or paragraph separator, which in a job file would end a
+    comment or an #SBATCH line and start another (YAML 1.1 reads U+0085, U+2028 and U+2029 as line breaks)."""
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+
+
+def cpus_per_rank(num_workers: int) -> int:
+    """The CPUs a rank needs to keep its GPU fed: one for the rank's own process and one for each of its DataLoader
+    workers (data.num_workers), which load and collate the next batches while it trains."""
+    return 1 + num_workers
 
 
 def positive(value: int, flag: str) -> int:

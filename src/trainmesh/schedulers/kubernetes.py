@@ -13,8 +13,10 @@ torchrun reads them (a launch flag left out comes from PET_<FLAG>; trainmesh.cli
   what Kubeflow Trainer sets for torchrun: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the pod's completion
   index) and PET_MASTER_ADDR, the first pod's name `<jobset>-<job>-0-0.<subdomain>`, with PET_MASTER_PORT.
 
-The config travels in a ConfigMap, as checked here; `--auto-resume` with the job's name as run id continues a
-restarted job from its newest checkpoint, which needs run.out_dir on storage every pod shares (--pvc).
+Each pod asks for its GPUs, CPUs and memory, with limits equal to the requests (QoS class Guaranteed). The config
+travels in a ConfigMap, as checked here, as a YAML literal block a reviewer reads; `--auto-resume` with the job's
+name as run id continues a restarted job from its newest checkpoint, which needs run.out_dir on storage every pod
+shares (--pvc).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import yaml
 
 from trainmesh.core.env import DEFAULT_MASTER_PORT
-from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, positive
+from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, cpus_per_rank, positive
 
 CONFIG_DIR = "/etc/trainmesh"
 RUNS_DIR = "/runs"  # where --pvc is mounted, and run.out_dir then
@@ -37,6 +39,14 @@ KINDS = ("pytorchjob", "jobset")
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a DNS-1035 label, as both operators require
 _DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")  # namespaces and claims: DNS-1123 names
 NAME_MAX = 40  # pod names add up to 23 characters (`-node-0-<index>`), and a label is at most 63
+RANK_MEMORY_GI = 16
+"""Host memory a rank is given by default: torch and CUDA's host side, pinned batches, and a checkpoint's copy on the
+host while it is written (more for a large model's shards: --memory)."""
+WORKER_MEMORY_GI = 2
+"""And each of its DataLoader workers: a fork of the rank, and the batches it passes through /dev/shm."""
+_CPUS = re.compile(r"\d+(\.\d+)?|\d+m")  # Kubernetes CPU quantities: cores, or thousandths of one (7500m)
+_MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i|[kMGTPE]|[eE]\d+)?")  # bytes, binary or decimal units, or 1e9
+_YAML_BREAKS = "\x85\u2028\u2029"  # line breaks to YAML 1.1 besides \n and \r
 
 
 @dataclass(frozen=True)
@@ -59,10 +69,26 @@ class K8sJob:
     grace_seconds: int = 120
     """The pods' terminationGracePeriodSeconds: between Kubernetes' SIGTERM (preemption, eviction, deletion) and
     its SIGKILL; torchrun's agent gives its ranks all of it but a margin to save (--shutdown-timeout)."""
+    cpus: str | None = None
+    """CPUs of a pod (a Kubernetes quantity); None: a core for each rank and each of its loader workers."""
+    memory: str | None = None
+    """Memory of a pod (a Kubernetes quantity); None: RANK_MEMORY_GI a rank, WORKER_MEMORY_GI a loader worker."""
+    num_workers: int = 0
+    """The config's data.num_workers: DataLoader worker processes of each rank."""
 
     @property
     def node_range(self) -> tuple[int, int]:
         return self.min_nodes or self.nodes, self.max_nodes or self.nodes
+
+    @property
+    def pod_cpus(self) -> str:
+        """--cpus, or what the ranks of a pod and their loader workers need to keep the GPUs fed."""
+        return self.cpus or str(self.gpus_per_node * cpus_per_rank(self.num_workers))
+
+    @property
+    def pod_memory(self) -> str:
+        """--memory, or a floor for the ranks of a pod and their loader workers (a pod over its limit is killed)."""
+        return self.memory or f"{self.gpus_per_node * (RANK_MEMORY_GI + self.num_workers * WORKER_MEMORY_GI)}Gi"
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -85,6 +111,17 @@ class K8sJob:
         if self.max_restarts < 0:
             raise SchedulerError(f"--max-restarts={self.max_restarts}: must be 0 or more")
         positive(self.grace_seconds, "--grace-seconds")
+        if self.cpus is not None and not (_CPUS.fullmatch(self.cpus) and _nonzero(self.cpus)):
+            raise SchedulerError(
+                f"--cpus={self.cpus!r} is not a number of CPUs Kubernetes reads. Fix: cores (8, 7.5) or thousandths "
+                "of a core (7500m), more than 0."
+            )
+        if self.memory is not None and not (_MEMORY.fullmatch(self.memory) and _nonzero(self.memory)):
+            hint = " (m is milli, a thousandth of a byte: Mi or M is mega)" if self.memory.endswith("m") else ""
+            raise SchedulerError(
+                f"--memory={self.memory!r} is not an amount of memory Kubernetes reads{hint}. Fix: a number with a "
+                "binary unit Ki, Mi, Gi, Ti (256Gi) or a decimal one k, M, G, T (275G), or of bytes, more than 0."
+            )
         low, high = self.node_range
         if self.kind == "jobset" and (self.min_nodes is not None or self.max_nodes is not None):
             raise SchedulerError(
@@ -96,6 +133,28 @@ class K8sJob:
                 f"--min-nodes={low} --nodes={self.nodes} --max-nodes={high}: need 1 <= --min-nodes <= --nodes <= "
                 "--max-nodes"
             )
+
+
+def _nonzero(quantity: str) -> bool:
+    """The quantity's number is more than 0: Kubernetes takes a request of 0 as none at all."""
+    return any(c in "123456789" for c in re.split(r"[a-zA-Z]", quantity, maxsplit=1)[0])
+
+
+class _Dumper(yaml.SafeDumper):
+    """safe_dump's dumper that writes a multi-line string as a literal block (`|`), line by line as in its file, and
+    never an anchor and alias for a value written twice. PyYAML itself falls back to a quoted string where a block
+    could not hold the text exactly (trailing spaces on a line, tabs and other control characters)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    """A string with a newline as a literal block: the ConfigMap's config.toml reads as the file does."""
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_Dumper.add_representer(str, _represent_str)
 
 
 def render_manifests(job: K8sJob, checked: list[str], command_line: str) -> str:
@@ -110,7 +169,13 @@ def render_manifests(job: K8sJob, checked: list[str], command_line: str) -> str:
     trainer = _pytorchjob(job) if job.kind == "pytorchjob" else _jobset(job)
     header = [f"# Generated by: {command_line}", *(f"# checked: {line}" for line in checked)]
     header.append("# Apply with: kubectl apply -f <this file>")
-    documents = yaml.safe_dump_all([config_map, trainer], sort_keys=False, default_flow_style=False)
+    # Non-ASCII text as it is, unless the config holds a character YAML reads as a line break (PyYAML would write
+    # it raw and read back a newline): then everything but ASCII is escaped.
+    as_is = not any(c in job.config_toml for c in _YAML_BREAKS)
+    documents = yaml.dump_all(
+        [config_map, trainer], Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=as_is
+    )
+    assert next(yaml.safe_load_all(documents))["data"]["config.toml"] == job.config_toml  # the config, exactly
     return "\n".join(header) + "\n" + documents
 
 
@@ -150,7 +215,12 @@ def _pod_spec(job: K8sJob, container: dict[str, Any], restart_policy: str) -> di
         **container,
         "image": job.image,
         "command": _command(job),
-        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
+        # Limits equal to the requests: QoS class Guaranteed, the last a node evicts, and with the kubelet's static CPU
+        # manager whole cores of its own (an integer --cpus). Memory-backed /dev/shm counts in the memory.
+        "resources": {
+            "requests": {"cpu": job.pod_cpus, "memory": job.pod_memory},
+            "limits": {"cpu": job.pod_cpus, "memory": job.pod_memory, "nvidia.com/gpu": job.gpus_per_node},
+        },
         "volumeMounts": mounts,
     }
     return {

@@ -19,6 +19,9 @@ Two ways to start the ranks: one task per node running `trainmesh run` (torchrun
 GPU, restarts them with --max-restarts, and the static rendezvous meets at the first node), or, with
 `--one-task-per-gpu`, one task per GPU running the per-rank worker, which reads SLURM_PROCID/SLURM_NTASKS/
 SLURM_LOCALID (trainmesh.core.env).
+
+CPUs: `#SBATCH --cpus-per-task` asks for a core for every rank of the task and each of its DataLoader workers, and
+srun asks for it again, since SLURM 22.05's srun no longer inherits it from the batch job.
 """
 
 from __future__ import annotations
@@ -27,11 +30,34 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, positive
+from trainmesh.schedulers.common import SchedulerError, agent_shutdown_timeout, breaks_a_line, cpus_per_rank, positive
 
 SIGNAL_SECONDS_MAX = 65535  # sbatch's limit for sig_time
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAME = re.compile(r"[A-Za-z0-9._:-]+")  # partitions and accounts: letters, digits and a few marks
+_UNREADABLE = re.compile(r"[\s'\"\\]")  # what sbatch's reading of #SBATCH lines splits at or unquotes
+_MEM = re.compile(r"\d+[KMGTkmgt]?")  # sbatch --mem: megabytes, or a unit K, M, G or T; 0: all of a node's memory
+_OPTION = re.compile(r"(--[A-Za-z][-A-Za-z0-9]*|-[A-Za-z])(.*)")  # one sbatch option: its name, and its value
+_SHORT = {"-J": "--job-name", "-N": "--nodes", "-c": "--cpus-per-task", "-t": "--time", "-p": "--partition"}
+_SHORT.update({"-A": "--account", "-o": "--output", "-D": "--chdir"})  # sbatch's one-letter names of _WRITTEN's
+_WRITTEN = {  # the #SBATCH options the script writes itself, and how to ask for what they set instead
+    "--job-name": "use --job-name NAME",
+    "--nodes": "use --nodes N",
+    "--ntasks-per-node": "use --one-task-per-gpu for a task per GPU (the default is a task per node)",
+    "--gpus-per-node": "use --gpus-per-node G",
+    "--cpus-per-task": "use --cpus-per-task N",
+    "--mem": "use --mem SIZE",
+    "--exclusive": "use --exclusive",
+    "--time": "use --time LIMIT",
+    "--partition": "use --partition NAME",
+    "--account": "use --account NAME",
+    "--signal": "use --signal-seconds S (the requeue at the time limit is built on it)",
+    "--requeue": "leave it out: the script requeues itself when stopped at its time limit",
+    "--no-requeue": "leave it out: the script requeues itself when stopped at its time limit",
+    "--open-mode": "leave it out: every attempt of the job appends to one output file",
+    "--output": "leave it out, or edit the printed script: every attempt appends to slurm-%x-%j.out",
+    "--chdir": "run `trainmesh slurm` in the folder the job should run in",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,27 @@ class SlurmJob:
     signal_seconds: int = 120
     one_task_per_gpu: bool = False
     max_restarts: int = 0
+    cpus_per_task: int | None = None
+    """None: a CPU for every rank of the task and each of its loader workers (`task_cpus`)."""
+    num_workers: int = 0
+    """The config's data.num_workers: DataLoader worker processes of each rank."""
+    mem: str | None = None
+    """Memory per node in sbatch's --mem syntax (200G; 0: all of it); None: the partition's default."""
+    exclusive: bool = False
+    sbatch_options: tuple[str, ...] = ()
+    """Other #SBATCH options, each one option (`--constraint=h100`)."""
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node if self.one_task_per_gpu else 1
+
+    @property
+    def task_cpus(self) -> int:
+        """--cpus-per-task, or enough for the ranks a task runs and their loader workers, which SLURM otherwise may
+        give one core together (a site without a default of CPUs per GPU)."""
+        if self.cpus_per_task is not None:
+            return self.cpus_per_task
+        return self.gpus_per_node // self.tasks_per_node * cpus_per_rank(self.num_workers)
 
     def check(self) -> None:
         positive(self.nodes, "--nodes")
@@ -77,7 +124,7 @@ class SlurmJob:
             raise SchedulerError(
                 f"--job-name={self.job_name!r}: expected letters, digits, '.', '_' and '-', at most 64 characters"
             )
-        if re.search(r"[\s'\"\\]", self.workdir):
+        if _UNREADABLE.search(self.workdir):
             raise SchedulerError(
                 f"the working folder {self.workdir!r} holds a space, a quote or a backslash, which sbatch's reading of "
                 "#SBATCH --chdir cannot take (it splits and unquotes the line itself). Fix: run `trainmesh slurm` from "
@@ -90,6 +137,46 @@ class SlurmJob:
             )
         if self.max_restarts < 0:
             raise SchedulerError(f"--max-restarts={self.max_restarts}: must be 0 or more")
+        if self.cpus_per_task is not None:
+            positive(self.cpus_per_task, "--cpus-per-task")
+        if self.mem is not None and not _MEM.fullmatch(self.mem):
+            raise SchedulerError(
+                f"--mem={self.mem!r} is not a memory size sbatch reads. Fix: a whole number with a unit K, M, G or T "
+                "(200G, 512000M; no unit: megabytes), or 0 for all of each node's memory."
+            )
+        for option in self.sbatch_options:
+            _check_sbatch_option(option, self.mem is not None)
+
+
+def _check_sbatch_option(option: str, mem_given: bool) -> None:
+    """One more `#SBATCH` line: a single option that sbatch reads as typed, and none the script sets already."""
+    flag = f"--sbatch-option={option!r}"
+    if breaks_a_line(option):
+        raise SchedulerError(
+            f"{flag} holds a newline or another control character: it would end the #SBATCH line and start another "
+            "line of the script. Fix: one option per --sbatch-option, on one line."
+        )
+    match = _OPTION.fullmatch(option)
+    if match is None:
+        raise SchedulerError(
+            f"{flag}: expected one sbatch option, starting with '-': --constraint=h100, --qos=high, -Ch100. Fix: "
+            "--sbatch-option=--NAME=VALUE (with '=', so that the option is read as the value of --sbatch-option)."
+        )
+    name, value = match.groups()
+    if _UNREADABLE.search(option):
+        raise SchedulerError(
+            f"{flag} holds a space, a quote or a backslash, which sbatch's reading of #SBATCH lines splits or "
+            "unquotes. Fix: one option per --sbatch-option (repeat it for several), without spaces or quotes."
+        )
+    if name.startswith("--") and not (value == "" or value.startswith("=")):
+        raise SchedulerError(f"{flag}: expected --NAME or --NAME=VALUE")
+    name = _SHORT.get(name, name)
+    if name in _WRITTEN:
+        raise SchedulerError(f"{flag}: the script writes #SBATCH {name} itself. Fix: {_WRITTEN[name]}.")
+    if mem_given and name in ("--mem-per-cpu", "--mem-per-gpu"):
+        raise SchedulerError(
+            f"{flag} and --mem: sbatch takes one of --mem, --mem-per-cpu and --mem-per-gpu. Fix: drop one of them."
+        )
 
 
 def time_limit_seconds(value: str) -> int | None:
@@ -117,7 +204,6 @@ def time_limit_seconds(value: str) -> int | None:
 def render_sbatch(job: SlurmJob, checked: list[str], command_line: str) -> str:
     """The batch script. `checked`: how the config runs (one line per world size), recorded as comments."""
     job.check()
-    tasks = job.gpus_per_node if job.one_task_per_gpu else 1
     run_id = shlex.quote(job.run_id) if job.run_id else f'"{job.recipe}-${{SLURM_JOB_ID}}"'
     head = [
         "#!/bin/bash",
@@ -125,8 +211,12 @@ def render_sbatch(job: SlurmJob, checked: list[str], command_line: str) -> str:
         *(f"# checked: {line}" for line in checked),
         f"#SBATCH --job-name={job.job_name or job.recipe}",
         f"#SBATCH --nodes={job.nodes}",
-        f"#SBATCH --ntasks-per-node={tasks}",
+        f"#SBATCH --ntasks-per-node={job.tasks_per_node}",
         f"#SBATCH --gpus-per-node={job.gpus_per_node}",
+        *_cpus_comment(job),
+        f"#SBATCH --cpus-per-task={job.task_cpus}",
+        *([f"#SBATCH --mem={job.mem}"] if job.mem is not None else []),
+        *(["#SBATCH --exclusive"] if job.exclusive else []),
         *([f"#SBATCH --time={job.time}"] if job.time else []),
         *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
         *([f"#SBATCH --account={job.account}"] if job.account else []),
@@ -135,6 +225,7 @@ def render_sbatch(job: SlurmJob, checked: list[str], command_line: str) -> str:
         "#SBATCH --open-mode=append",
         "#SBATCH --output=slurm-%x-%j.out",
         f"#SBATCH --chdir={job.workdir}",
+        *(f"#SBATCH {option}" for option in job.sbatch_options),
     ]
     body = _BODY.format(
         python=shlex.quote(job.python),
@@ -142,6 +233,15 @@ def render_sbatch(job: SlurmJob, checked: list[str], command_line: str) -> str:
         launch=_launch_per_gpu(job) if job.one_task_per_gpu else _launch_per_node(job),
     )
     return "\n".join(head) + "\n" + body
+
+
+def _cpus_comment(job: SlurmJob) -> list[str]:
+    """How the default --cpus-per-task was counted, for a reader of the script (nothing when it was given)."""
+    if job.cpus_per_task is not None:
+        return []
+    ranks = job.gpus_per_node // job.tasks_per_node
+    per = "a rank" if ranks == 1 else f"{ranks} ranks"
+    return [f"# CPUs per task: {per} x (1 + {job.num_workers} DataLoader workers each, data.num_workers)"]
 
 
 def _training_args(job: SlurmJob) -> str:
@@ -165,7 +265,7 @@ def _launch_per_node(job: SlurmJob) -> str:
         "# SLURM_NODEID differs per task, so a shell in each task reads it. --shutdown-timeout: how long each\n"
         "# node's agent lets its ranks save after the SIGTERM before it SIGKILLs them "
         f"(--signal={job.signal_seconds} s, less a margin).\n"
-        "srun --ntasks-per-node=1 bash -c "
+        f"{_SRUN_CPUS_WHY}srun --ntasks-per-node=1 {_SRUN_CPUS} bash -c "
         '\'exec "$PYTHON" -m trainmesh.cli run --node-rank "$SLURM_NODEID" "$@"\' bash \\\n'
         f"    {job.recipe} --nnodes {job.nodes} --nproc-per-node {job.gpus_per_node}{restarts} \\\n"
         f"    --shutdown-timeout {shutdown} \\\n"
@@ -178,9 +278,16 @@ def _launch_per_gpu(job: SlurmJob) -> str:
     return (
         "# One task per GPU: each reads its rank from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and uses\n"
         "# cuda:$SLURM_LOCALID, so every task must see all GPUs of its node (no --gpu-bind to one GPU per task).\n"
-        f'srun "$PYTHON" -m trainmesh {job.recipe} --run.id="$RUN_ID" --auto-resume' + _training_args(job)
+        f'{_SRUN_CPUS_WHY}srun {_SRUN_CPUS} "$PYTHON" -m trainmesh {job.recipe} --run.id="$RUN_ID" --auto-resume'
+        + _training_args(job)
     )
 
+
+_SRUN_CPUS = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
+_SRUN_CPUS_WHY = (  # sbatch's and srun's man pages, 22.05 on
+    "# srun's --cpus-per-task repeats #SBATCH's: since SLURM 22.05 srun no longer inherits it, and would give each\n"
+    "# task one CPU, shared by the ranks it runs and all their DataLoader workers.\n"
+)
 
 _BODY = """
 PYTHON={python}  # the Python with trainmesh installed, at this path on every node

@@ -2,6 +2,10 @@
 
 import sys
 
-from trainmesh.worker import main
+from trainmesh.core.orphans import end_with_launcher
+
+end_with_launcher()  # first, before torch is imported: a worker whose launcher dies stops at once (core/orphans.py)
+
+from trainmesh.worker import main  # noqa: E402
 
 sys.exit(main())

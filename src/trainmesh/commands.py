@@ -17,9 +17,10 @@ from typing import Any
 
 from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, list_checkpoints
 from trainmesh.config import Config
+from trainmesh.config.schema import RunConfig
 from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv
-from trainmesh.core.files import make_dirs
+from trainmesh.core.files import make_dirs, read_bytes
 from trainmesh.core.rank_logs import LOGS_DIR, NO_LOG_DIR, LogSettings
 from trainmesh.job import Job, check_data, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
@@ -29,9 +30,11 @@ from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.resume import load_run_config
 from trainmesh.rundir import (
     LAUNCH_CONFIG_FILE,
+    MAX_CONFIG_BYTES,
     RunLock,
     check_auto_resume,
     new_job_id,
+    record_new_run,
     take_run_dir,
     write_launch_config,
 )
@@ -121,18 +124,18 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
     auto = check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
     run_dir = take_run_dir(out_dir, run_id, config.run.recipe, config.checkpoint.resume)
-    hint = resume_command(args, config.run.recipe, run_dir.name)
+    hint = resume_command(args, config, run_dir.name)
     if start.run_dir is not None:
         log.info("%s", start.describe())
         if start.finished:
+            longer = resume_command(args, config, run_dir.name, f"--train.max_steps={2 * start.step}")
             log.warning(
                 "run %s has finished: its newest checkpoint is at step %d, train.max_steps=%d; nothing to train. "
-                "To train it longer: %s -- --train.max_steps=%d",
+                "To train it longer: %s",
                 run_dir.name,
                 start.step,
                 config.train.max_steps,
-                hint,
-                2 * start.step,
+                longer,
             )
             return 0
     low, high = opts.node_bounds()
@@ -149,11 +152,14 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     return launch_into(opts, jobs, job, run_dir, suffix or new_job_id(), hint)
 
 
-def resume_command(args: argparse.Namespace, recipe: str, run_id: str) -> str:
+def resume_command(args: argparse.Namespace, config: Config, run_id: str, *overrides: str) -> str:
     """The command that continues run `run_id`: this launch's own flags (`args.relaunch`, which the CLI keeps
-    from the command line as typed), with --resume and the run's name; the run's config.toml has the rest."""
-    relaunch = getattr(args, "relaunch", None) or ["trainmesh", "run", recipe]
-    return shlex.join([*relaunch, "--resume", "--run-id", run_id])
+    from the command line as typed), --resume and the run's name, and where its folder is when that is not the
+    default (the run's config.toml has the rest); `overrides` after them."""
+    relaunch = getattr(args, "relaunch", None) or ["trainmesh", "run", config.run.recipe]
+    where = [] if config.run.out_dir == RunConfig.out_dir else [f"--run.out_dir={config.run.out_dir}"]
+    extra = [*where, *overrides]
+    return shlex.join([*relaunch, "--resume", "--run-id", run_id, *(["--", *extra] if extra else [])])
 
 
 def launch_into(
@@ -182,11 +188,10 @@ def hold_run_dir(job: Job, run_dir: Path, launch_id: str, resume_hint: str | Non
     with RunLock(run_dir, launch_id) as lock:
         refuse_other_runs_checkpoints(job, run_dir, resume_hint)
         path = _write_or_match_config(run_dir, job, joined=lock.joined)
-        try:
-            yield path
-        finally:
-            if lock.held:
-                path.unlink(missing_ok=True)
+        if not lock.joined:
+            record_new_run(run_dir, job.config)
+        # The file stays when this launch ends: the workers of nodes that joined it may restart and read it again.
+        yield path
 
 
 def refuse_other_runs_checkpoints(job: Job, run_dir: Path, resume_hint: str | None = None) -> None:
@@ -211,7 +216,8 @@ def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
         time.sleep(0.2)
     # checkpoint.resume may differ: a node restarted later (--auto-resume) finds the checkpoints the first start
     # had not made yet, and the workers agree on resuming among themselves.
-    ours, theirs = (_without_resume(text) for text in (job.config_toml(), path.read_text() if path.is_file() else ""))
+    written = read_bytes(path, MAX_CONFIG_BYTES).decode(errors="replace") if path.is_file() else ""
+    ours, theirs = _without_resume(job.config_toml()), _without_resume(written)
     if theirs != ours:
         diff = [line for line in ours if line not in theirs][:5]
         raise LaunchError(

@@ -12,7 +12,9 @@ process starts or any file is written. `--auto-resume` does the same once the ru
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +28,12 @@ from trainmesh.core.files import read_bytes
 from trainmesh.core.logging import get_logger
 from trainmesh.job import load_config
 from trainmesh.recipes import get_recipe
-from trainmesh.rundir import CONFIG_FILE
+from trainmesh.rundir import CONFIG_FILE, MAX_CONFIG_BYTES
 
 log = get_logger(__name__)
 
 DECIDED_BY_EACH_LAUNCH = ("checkpoint.resume",)
 """Recorded keys that describe one launch, not the run: never carried over, never reported as a change."""
-_MAX_CONFIG_BYTES = 4 * 2**20  # a config.toml is a few KiB
 _UNSET = object()
 
 
@@ -76,24 +77,35 @@ def load_run_config(
     --config file and the overrides on top. `run_dir`: the run's folder where the caller knows it (the worker's
     --run-dir), else <run.out_dir>/<run.id>. Raises ConfigError for a change its newest checkpoint cannot load."""
     command = merge_overrides(load_toml(path) if path else {}, overrides)
-    run = command.get("run", {})
-    asked = command.get("checkpoint", {}).get("resume") in (True, "true") or auto_resume
-    if run_dir is None and isinstance(run, dict) and run.get("id"):
+    run, checkpoint = (_section(command, name) for name in ("run", "checkpoint"))
+    asked = _is_true(checkpoint.get("resume", False))
+    if run_dir is None and run.get("id"):
         run_dir = Path(str(run.get("out_dir", RunConfig.out_dir))) / str(run["id"])
-    if not asked or run_dir is None or not run_dir.is_dir():  # a missing folder is refused where it is taken
+    if not (asked or auto_resume) or run_dir is None or not run_dir.is_dir():  # a missing one is refused when taken
         return RunStart(load_config(path, overrides, recipe))
     newest = _newest_trainer_state(run_dir)
     recorded = _recorded_config(run_dir, newest)
-    if recorded is None:  # nothing recorded yet: a new run (--auto-resume), or one that never got going
+    # Nothing recorded: a new run. --auto-resume reruns the same command, so until the run has a checkpoint to
+    # continue (an attempt that failed before its first), the command's config is the run's.
+    if recorded is None or (newest is None and not asked):
         return RunStart(load_config(path, overrides, recipe))
     record, recorded_in = recorded
-    saved_recipe = record.get("run", {}).get("recipe")
+    saved_recipe = _section(record, "run").get("recipe")
     if recipe and saved_recipe and saved_recipe != recipe:
         raise ConfigError(
             f"run {run_dir.name} trains the {saved_recipe!r} recipe ({recorded_in}), not {recipe!r}. "
             f"Fix: trainmesh run {saved_recipe} --resume --run-id {run_dir.name}."
         )
-    config = load_config(path, overrides, recipe, base=_without(record, DECIDED_BY_EACH_LAUNCH))
+    base = _known_keys(_without(record, DECIDED_BY_EACH_LAUNCH), recipe or str(saved_recipe or "gpt"), recorded_in)
+    try:
+        config = load_config(path, overrides, recipe, base=base)
+    except ConfigError as e:
+        if "set on the command line" in str(e) or str(e).startswith("config file"):
+            raise  # the command's own key: the message names it
+        raise ConfigError(  # the record's value
+            f"{e} [resuming run {run_dir.name} from {recorded_in}: correct it there, or set the key on the command "
+            "line]"
+        ) from None
     origin = _Origin(path, command, overrides)
     if newest is not None:
         check_loadable(config, *newest, origin)
@@ -119,6 +131,14 @@ def check_loadable(config: Config, checkpoint: Path, saved: TrainerState, origin
         )
 
 
+def check_resumable(config: Config, run_dir: Path) -> None:
+    """Refuse, before anything starts, a resume of `run_dir` whose config its newest checkpoint cannot load (for
+    callers with a config of their own, Ray Train's driver; the CLI's load_run_config checks as it loads)."""
+    newest = _newest_trainer_state(run_dir) if config.checkpoint.resume else None
+    if newest is not None:
+        check_loadable(config, *newest)
+
+
 @dataclass(frozen=True)
 class _Origin:
     """Where the command line set a key: for the message that refuses it."""
@@ -135,6 +155,51 @@ class _Origin:
         return " (derived from the keys the command sets)"
 
 
+def _section(table: dict[str, Any], name: str) -> dict[str, Any]:
+    """A section of a raw config, {} when it is missing or not a table (the loader names that error)."""
+    section = table.get(name, {})
+    return section if isinstance(section, dict) else {}
+
+
+def _is_true(value: Any) -> bool:
+    """As the loader reads a boolean (`--checkpoint.resume=True` is true too)."""
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def _known_keys(record: dict[str, Any], recipe: str, recorded_in: Path) -> dict[str, Any]:
+    """`record` without the keys and sections this trainmesh does not have (a config.toml written by another
+    version), each named in a warning: they cannot be set, and the run's other keys still describe it."""
+    try:
+        model = get_recipe(recipe).model_config_cls
+    except ValueError:
+        return record  # an unknown recipe: the loader says so
+    dropped: list[str] = []
+    kept = _keep_known(record, Config, "", dropped, {"model": model})
+    if dropped:
+        log.warning("%s: keys this trainmesh does not know, left out: %s", recorded_in, ", ".join(dropped))
+    return kept
+
+
+def _keep_known(
+    table: dict[str, Any], cls: type[Any], prefix: str, dropped: list[str], sections: dict[str, type[Any]] | None = None
+) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kept: dict[str, Any] = {}
+    for key, value in table.items():
+        kind = (sections or {}).get(key) or (hints[key] if key in names else None)
+        if kind is None:
+            dropped.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(kind):
+            if isinstance(value, dict):
+                kept[key] = _keep_known(value, kind, f"{prefix}{key}.", dropped)
+            else:
+                dropped.append(f"{prefix}{key} (not a section)")
+        else:
+            kept[key] = value
+    return kept
+
+
 def _newest_trainer_state(run_dir: Path) -> tuple[Path, TrainerState] | None:
     """The newest committed checkpoint whose trainer state reads (its tensors are verified where they load)."""
     for checkpoint in reversed(list_checkpoints(run_dir)):
@@ -149,7 +214,7 @@ def _recorded_config(run_dir: Path, newest: tuple[Path, TrainerState] | None) ->
     """The run's config.toml, else the config its newest checkpoint records; None when neither is there."""
     path = run_dir / CONFIG_FILE
     try:
-        return tomllib.loads(read_bytes(path, _MAX_CONFIG_BYTES).decode()), path
+        return tomllib.loads(read_bytes(path, MAX_CONFIG_BYTES).decode()), path
     except FileNotFoundError:
         pass
     except (OSError, ValueError) as e:  # a symlink, too large, not UTF-8, not TOML

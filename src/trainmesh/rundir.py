@@ -39,7 +39,7 @@ log = get_logger(__name__)
 CONFIG_FILE = "config.toml"
 LAUNCH_CONFIG_FILE = ".config.launch.toml"
 CONFIG_HISTORY_DIR = "config_history"
-_MAX_CONFIG_BYTES = 4 * 2**20  # a config.toml is a few KiB
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.toml is a few KiB: a larger file is not one
 LOCK_FILE = ".lock"
 WORKERS_LOCK_FILE = ".lock.workers"
 
@@ -147,6 +147,15 @@ def write_launch_config(run_dir: Path, config: Config) -> Path:
     return path
 
 
+def record_new_run(run_dir: Path, config: Config) -> None:
+    """`config` as the run's config.toml when the folder has none yet (a new run): its record from the start, so
+    that a run stopped before its first checkpoint resumes with its own settings. An existing one is left for
+    `commit_config` (a symlink planted there too: that replaces it, never writing through it)."""
+    path = run_dir / CONFIG_FILE
+    if not (path.exists() or path.is_symlink()):
+        write_atomically(path, dump_toml(config_to_dict(config)))
+
+
 def commit_config(run_dir: Path, config: Config, step: int) -> Path:
     """Make `config` the run's `config.toml`, once the job has taken the folder over and starts at `step` (its
     checkpoint loaded, or 0). A recorded config that this one changes is kept first, as
@@ -154,13 +163,13 @@ def commit_config(run_dir: Path, config: Config, step: int) -> Path:
     path = run_dir / CONFIG_FILE
     text = dump_toml(config_to_dict(config))
     try:
-        before = read_bytes(path, _MAX_CONFIG_BYTES).decode(errors="replace")
+        before: bytes | None = read_bytes(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         before = None
     except (OSError, ValueError) as e:  # a planted symlink (never read through), or not a config: replaced
         log.warning("%s is replaced without keeping it (%s)", path, e)
         before = None
-    if before is not None and _what_the_run_is(before) != _what_the_run_is(text):
+    if before is not None and _what_the_run_is(before.decode(errors="replace")) != _what_the_run_is(text):
         history = make_dirs(run_dir, CONFIG_HISTORY_DIR)
         kept, n = history / f"step_{step:08d}.toml", 1
         while kept.exists() or kept.is_symlink():  # resumed from this step before, with another change

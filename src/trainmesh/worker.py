@@ -26,7 +26,6 @@ from trainmesh.core.env import DistEnv, launcher_rank
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.exit_records import record_exit, record_start
 from trainmesh.core.logging import configure_logging, get_logger
-from trainmesh.core.orphans import end_with_launcher
 from trainmesh.faults import FaultPlan
 from trainmesh.job import Job, load_config, resolve
 from trainmesh.recipes import Recipe
@@ -39,6 +38,7 @@ from trainmesh.rundir import (
     create_run_dir,
     hold_as_worker,
     new_job_id,
+    record_new_run,
     resumed_if_checkpointed,
     take_run_dir,
 )
@@ -88,6 +88,7 @@ def run_worker(
         if RUN_ID.fullmatch(run_dir.name):  # a --run-dir of any other name leaves run.id as it is
             job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
         worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
+        runtime.on_main(lambda: record_new_run(run_dir, job.config))  # a new run's record, from its start
         if runtime.is_main_process:
             strategy, dims = job.layout
             log.info(
@@ -223,7 +224,6 @@ def _main(argv: list[str] | None) -> tuple[int, bool]:
     """The exit code, and whether the rank stopped at a step boundary with a checkpoint (on SIGTERM or Ctrl-C)."""
     args, overrides = parse_worker_args(sys.argv[1:] if argv is None else argv)
     configure_logging(launcher_rank())  # torchrun's, MPI's or SLURM's: only rank 0 logs at INFO
-    end_with_launcher()  # a worker whose launcher dies stops at once (core/orphans.py)
     try:
         if args.resume:
             overrides.append("--checkpoint.resume=true")

@@ -196,7 +196,8 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_relaunch_continues_exactly(
     printed = re.search(r"Continue with: (.*)", stderr)
     assert printed, stderr[-3000:]
     hint = shlex.split(printed.group(1))
-    assert hint[:3] == ["trainmesh", "run", "gpt"] and hint[-3:] == ["--resume", "--run-id", name], hint
+    where = f"--run.out_dir={root / 'runs'}"  # the run is not under ./runs: the command says where
+    assert hint[:3] == ["trainmesh", "run", "gpt"] and hint[-5:] == ["--resume", "--run-id", name, "--", where], hint
     assert "Traceback" not in stderr, stderr[-3000:]
     config = root / "runs" / name / "config.toml"
     recorded = config.read_bytes()
@@ -368,5 +369,6 @@ def test_a_rank_that_cannot_stop_in_time_makes_the_stop_a_failure_that_names_it(
     for rank in (0, 1):
         assert f"SIGTERM: rank {rank} did not stop with a checkpoint: it recorded no exit code" in stderr, stderr
     assert "not every rank stopped with a checkpoint; trainmesh run gpt" in stderr
-    assert "--resume --run-id cannot-stop continues from the newest committed checkpoint" in stderr
+    assert "--resume --run-id cannot-stop -- --run.out_dir=" in stderr
+    assert "continues from the newest committed checkpoint" in stderr
     assert "every rank stopped at a step boundary" not in stderr

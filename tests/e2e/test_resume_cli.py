@@ -59,22 +59,6 @@ def trained(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path, tmp_path / "runs" / "own"
 
 
-def test_a_resume_continues_with_the_runs_own_config_and_records_what_changed(trained: tuple[Path, Path]) -> None:
-    root, run_dir = trained
-    before = (run_dir / "config.toml").read_bytes()
-    resumed = _trainmesh(
-        root, "run", "gpt", "--nproc-per-node", "1", "--resume", "--run-id", "own", "--", "--train.max_steps=6"
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "run own continues from step 4 with its own config" in resumed.stderr
-    assert "the command changes train.max_steps: 4 -> 6" in resumed.stderr
-    assert "resumed from" in resumed.stderr and latest_checkpoint(run_dir).name == "step_00000006"  # type: ignore[union-attr]
-    config = tomllib.loads((run_dir / "config.toml").read_text())
-    assert config["model"]["n_embd"] == 48 and config["data"]["source"].endswith("corpus.txt")
-    assert config["train"]["max_steps"] == 6
-    assert (run_dir / "config_history" / "step_00000004.toml").read_bytes() == before  # what trained steps 1-4
-
-
 def test_a_resume_the_checkpoint_cannot_load_is_refused_before_launch_and_a_failed_launch_writes_nothing(
     trained: tuple[Path, Path],
 ) -> None:
@@ -96,11 +80,14 @@ def test_a_resume_the_checkpoint_cannot_load_is_refused_before_launch_and_a_fail
     failed = _trainmesh(root, "run", *resume, "--train.max_steps=6", "--dist.device=cuda")
     assert failed.returncode != 0 and "torchrun" in failed.stderr, failed.stderr[-3000:]
     assert (run_dir / "config.toml").read_bytes() == before
-    assert not (run_dir / "config_history").exists() and not (run_dir / ".config.launch.toml").exists()
+    assert not (run_dir / "config_history").exists()
 
 
-def test_the_hint_of_a_refused_new_run_continues_it_as_printed(trained: tuple[Path, Path]) -> None:
+def test_the_hints_of_a_refused_new_run_and_a_finished_one_continue_it_with_its_own_config(
+    trained: tuple[Path, Path],
+) -> None:
     root, run_dir = trained
+    before = (run_dir / "config.toml").read_bytes()
     again = _trainmesh(root, "run", "gpt", "--nproc-per-node", "1", "--run-id", "own")  # a new run, same name
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr, again.stderr[-3000:]
     hint = _hint(again.stderr)
@@ -108,17 +95,24 @@ def test_the_hint_of_a_refused_new_run_continues_it_as_printed(trained: tuple[Pa
     finished = _run(root, hint)  # the run had finished: nothing to train, and how to train longer
     assert finished.returncode == 0 and "has finished" in finished.stderr, finished.stderr[-3000:]
     longer = _hint(finished.stderr)
-    assert longer[-2:] == ["--", "--train.max_steps=8"], longer
-    trained_longer = _run(root, longer)
-    assert trained_longer.returncode == 0, trained_longer.stderr[-3000:]
-    assert latest_checkpoint(run_dir).name == "step_00000008"  # type: ignore[union-attr]
+    where = f"--run.out_dir={root / 'runs'}"  # its own, recorded: not ./runs, so the command says where
+    assert longer[-3:] == ["--", where, "--train.max_steps=8"], longer
+    resumed = _run(root, longer)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "run own continues from step 4 with its own config" in resumed.stderr
+    assert "the command changes train.max_steps: 4 -> 8" in resumed.stderr
+    assert "resumed from" in resumed.stderr and latest_checkpoint(run_dir).name == "step_00000008"  # type: ignore[union-attr]
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    assert config["model"]["n_embd"] == 48 and config["data"]["source"].endswith("corpus.txt")
+    assert config["train"]["max_steps"] == 8
+    assert (run_dir / "config_history" / "step_00000004.toml").read_bytes() == before  # what trained steps 1-4
 
 
 def test_a_plain_python_worker_stopped_by_sigterm_prints_a_command_that_continues_it(tmp_path: Path) -> None:
     """Without trainmesh's launcher (plain python here; torchrun and srun alike), the worker says how to resume."""
     args = [sys.executable, "-m", "trainmesh", "gpt", "--config", str(nano_toml(tmp_path)), "--run.id=solo"]
     job = subprocess.Popen(
-        [*args, "--train.max_steps=300", *OWN], cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True
+        [*args, "--train.max_steps=100", *OWN], cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True
     )
     run_dir = tmp_path / "runs" / "solo"
     deadline = time.monotonic() + 90
@@ -131,7 +125,7 @@ def test_a_plain_python_worker_stopped_by_sigterm_prints_a_command_that_continue
     assert hint == [sys.executable, "-m", "trainmesh", "gpt", "--resume", "--run-dir", str(run_dir)], hint
     stopped = latest_checkpoint(run_dir)
     assert stopped is not None
-    resumed = _run(tmp_path, hint)  # as printed: its model (n_embd 48) and its 300 steps from config.toml
+    resumed = _run(tmp_path, hint)  # as printed: its model (n_embd 48) and its 100 steps from config.toml
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {stopped}" in resumed.stderr
-    assert latest_checkpoint(run_dir).name == "step_00000300"  # type: ignore[union-attr]
+    assert latest_checkpoint(run_dir).name == "step_00000100"  # type: ignore[union-attr]

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from support import nano_config
 from trainmesh.checkpoint.state import TRAINER_STATE
+from trainmesh.cli import invoked_as
 from trainmesh.cli.flags import relaunch_tokens
 from trainmesh.config import ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.resume import RunStart, load_run_config
-from trainmesh.rundir import CONFIG_FILE, commit_config
+from trainmesh.rundir import CONFIG_FILE, commit_config, record_new_run
 
 
 def _recorded_run(root: Path, *overrides: str, step: int = 4) -> Path:
@@ -54,10 +57,13 @@ def test_a_config_file_given_with_resume_sets_only_its_own_keys(tmp_path: Path) 
     assert _resume(tmp_path, path=file).config.optim.lr == 0.25
 
 
-def test_auto_resume_uses_the_record_and_without_one_the_command(tmp_path: Path) -> None:
+def test_auto_resume_uses_the_record_once_there_is_a_checkpoint_and_until_then_the_command(tmp_path: Path) -> None:
     assert _resume(tmp_path, auto=True).run_dir is None  # nothing there yet
-    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    run_dir = _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
     assert _resume(tmp_path, auto=True).config.model.n_embd == 48
+    shutil.rmtree(run_dir / "checkpoints")  # an attempt that failed before its first checkpoint: rerun as given
+    assert _resume(tmp_path, auto=True).config.model.n_embd != 48
+    assert _resume(tmp_path).config.model.n_embd == 48  # --resume: the run's own, also from step 0
     plain = load_run_config(None, [f"--run.out_dir={tmp_path / 'runs'}", "--run.id=r"], "gpt")
     assert plain.run_dir is None and plain.config.model.n_embd != 48  # not asked to resume: a new config
 
@@ -119,14 +125,61 @@ def test_config_toml_is_replaced_keeping_the_one_it_replaces(tmp_path: Path) -> 
     [
         (
             ["run", "gpt", "--config", "c.toml", "--nproc-per-node", "2", "--run-id", "x", "--", "--train.max_steps=9"],
-            ["trainmesh", "run", "gpt", "--nproc-per-node", "2"],
+            ["run", "gpt", "--nproc-per-node", "2"],
         ),
         (
             ["run", "--config=c.toml", "gpt", "--run-id=x", "--auto-resume", "--nnodes", "2", "--rdzv-endpoint=h:1"],
-            ["trainmesh", "run", "gpt", "--nnodes", "2", "--rdzv-endpoint=h:1"],
+            ["run", "gpt", "--nnodes", "2", "--rdzv-endpoint=h:1"],
         ),
-        (["run", "gpt", "--resume", "--run_id", "x", "--model.n_layer=3"], ["trainmesh", "run", "gpt"]),
+        (["run", "gpt", "--resume", "--run-id=x", "--model.n_layer=3"], ["run", "gpt"]),
+        (
+            ["run", "gpt", "--auto", "--conf", "c.toml", "--run-i", "x", "--nproc_per_node=2"],
+            ["run", "gpt", "--nproc_per_node=2"],
+        ),
     ],
 )
 def test_a_resume_command_repeats_the_launch_flags_as_typed(argv: list[str], kept: list[str]) -> None:
-    assert relaunch_tokens(argv) == kept
+    assert relaunch_tokens(argv, [".venv/bin/trainmesh"]) == [".venv/bin/trainmesh", *kept]
+
+
+def test_a_printed_command_names_the_program_as_it_can_be_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    program = tmp_path / "bin" / "trainmesh"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(program), "run", "gpt"])
+    monkeypatch.setenv("PATH", "/usr/bin")
+    assert invoked_as() == [str(program)]  # not on PATH (a venv not activated): the path it was run by
+    monkeypatch.setenv("PATH", str(program.parent))
+    assert invoked_as() == ["trainmesh"]
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    assert invoked_as() == [sys.executable, "-m", "trainmesh.cli"]
+
+
+def test_resume_written_as_the_loader_reads_it_is_a_resume(tmp_path: Path) -> None:
+    _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    command = [f"--run.out_dir={tmp_path / 'runs'}", "--run.id=r", "--checkpoint.resume=True"]
+    assert load_run_config(None, command, "gpt").config.model.n_embd == 48
+
+
+def test_a_record_from_another_version_loads_without_what_it_does_not_know(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = _recorded_run(tmp_path, "--model.n_embd=48", "--model.n_head=3")
+    text = (run_dir / CONFIG_FILE).read_text()
+    (run_dir / CONFIG_FILE).write_text(text.replace("[run]\n", "[run]\nname = 'old'\n") + "[gone]\nx = 1\n")
+    assert _resume(tmp_path).config.model.n_embd == 48
+    assert "keys this trainmesh does not know, left out: run.name, gone" in caplog.text
+    (run_dir / CONFIG_FILE).write_text(text.replace("log_every = 1", 'log_every = "often"'))
+    with pytest.raises(ConfigError, match=r"run.log_every.*resuming run r from .*config.toml: correct it there"):
+        _resume(tmp_path)
+    assert _resume(tmp_path, "--run.log_every=5").config.run.log_every == 5  # or set on the command line
+
+
+def test_a_new_run_is_recorded_once_and_never_over_an_existing_record(tmp_path: Path) -> None:
+    record_new_run(tmp_path, nano_config(tmp_path))
+    first = (tmp_path / CONFIG_FILE).read_bytes()
+    record_new_run(tmp_path, nano_config(tmp_path, "--train.max_steps=99"))
+    assert (tmp_path / CONFIG_FILE).read_bytes() == first

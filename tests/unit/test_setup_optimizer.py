@@ -181,11 +181,8 @@ def test_the_returned_optimizer_is_the_users_own() -> None:
     optimizer.zero_grad()
     assert all(p.grad is None for group in inner.param_groups for p in group["params"])
 
-    def closure() -> float:  # torch's convention: step(closure) returns its loss
-        _backward(rt, model)
-        return 1.5
-
-    assert optimizer.step(closure) == 1.5 and not optimizer.step_was_skipped  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="takes no closure"):  # GradScaler's step cannot unscale its loss
+        optimizer.step(lambda: 1.5)
 
     # A copy is of the user's optimizer alone (the Runtime does not travel); setup_optimizer guards it again.
     for duplicate in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer)), copy.copy(optimizer)):
@@ -220,3 +217,35 @@ def test_dp_returns_the_guarded_optimizer_too() -> None:
     rt.load_state_dicts(model2, optimizer2, model_state, optim_state)
     assert all(torch.equal(a, b) for a, b in zip(_params(model2), _params(model), strict=True))
     assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_two_optimizers_after_one_backward_both_step_unscaled_under_16_mixed() -> None:
+    """Parameters split over two optimizers (say embeddings and the rest): each unscales its own gradients."""
+    runs = {}
+    for precision in ("32-true", "16-mixed"):
+        rt = _runtime(precision)
+        net = _net()
+        first, second = list(net.parameters())[:2], list(net.parameters())[2:]
+        model, one = rt.setup(net, torch.optim.SGD(first, lr=0.1))
+        two = rt.setup_optimizer(torch.optim.SGD(second, lr=0.1))
+        _backward(rt, model)
+        one.step()
+        rt.step(two)
+        runs[precision] = _params(model)
+    for fp32, fp16 in zip(runs["32-true"], runs["16-mixed"], strict=True):
+        torch.testing.assert_close(fp16, fp32, rtol=1e-2, atol=1e-4)  # not 65536 times the update
+
+
+def test_an_optimizer_that_calls_its_closure_again_gets_it() -> None:
+    rt = _runtime("32-true")
+    net = _net()
+    model, optimizer = rt.setup(net, torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=3))
+    calls = []
+
+    def closure() -> float:
+        optimizer.zero_grad()
+        _backward(rt, model)
+        calls.append(1)
+        return 1.5
+
+    assert optimizer.step(closure) == 1.5 and len(calls) > 1

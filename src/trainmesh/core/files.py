@@ -77,9 +77,10 @@ NEW_FILE_MODE = 0o666
 user's umask alone decides who may read and write trainmesh's files."""
 
 
-def open_file(path: Path, mode: str = "r", **kwargs: Any) -> IO[Any]:
-    """`open(path, mode)` that refuses a symlink at `path` (modes r, w, a, x, a+, each optionally with b)."""
-    flags = _FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
+def open_file(path: Path, mode: str = "r", *, flags: int = 0, **kwargs: Any) -> IO[Any]:
+    """`open(path, mode)` that refuses a symlink at `path` (modes r, w, a, x, a+, each optionally with b);
+    `flags`: more of os.open's."""
+    flags |= _FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, NEW_FILE_MODE)
     except OSError:
@@ -94,19 +95,12 @@ def open_file(path: Path, mode: str = "r", **kwargs: Any) -> IO[Any]:
 
 def write_atomically(path: Path, data: str | bytes, durable: bool = False) -> None:
     """Replace `path` as a whole: write a fresh temporary file, (fsync it,) rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # a leftover of this pid; unlink never follows a symlink
-    try:
-        with open_file(tmp, "xb") as f:
+
+    def write(tmp: Path) -> None:
+        with open_file(tmp, "wb") as f:  # the file replace_file created, never a symlink's target
             f.write(data.encode() if isinstance(data, str) else data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    if durable:
-        fsync_dir(path.parent)
+
+    replace_file(path, write, durable)
 
 
 def replace_file(path: Path, write: Callable[[Path], None], durable: bool = False) -> None:
@@ -131,8 +125,11 @@ def replace_file(path: Path, write: Callable[[Path], None], durable: bool = Fals
 
 
 def read_bytes(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of `path`, refusing a symlink; longer files raise ValueError."""
-    with open_file(path, "rb") as f:
+    """At most `limit` bytes of `path`, refusing a symlink; longer files, and anything but a regular file (a FIFO
+    planted there would block the read forever), raise ValueError."""
+    with open_file(path, "rb", flags=os.O_NONBLOCK) as f:  # O_NONBLOCK: opening a FIFO does not wait
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{path} is not a regular file")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")

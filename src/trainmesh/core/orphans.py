@@ -6,9 +6,12 @@ write checkpoints into a run folder that a new launch may already have taken.
 Each process applies this to itself, so it holds under any launcher:
 - `die_with_parent`: Linux's parent-death signal (prctl PR_SET_PDEATHSIG), SIGKILL the moment the parent goes.
   The kernel sends it when the *thread* that forked the process ends, so it is set only where that thread is
-  known to live as long as the parent: torch's agent and a DataLoader both start processes from their main thread.
+  known to live as long as the parent: torch's agent starts its workers from its main thread.
 - `watch_parent`: a thread that checks every second whether the parent changed, then kills this process's
   children and itself. It covers the other launchers (srun, mpirun) and systems without prctl.
+DataLoader workers need neither: torch's own watch in each ends it within 5 s of its training process.
+The parent to watch is the launcher's pid as it started the worker (TRAINMESH_LAUNCHER_PID, set by `trainmesh
+run`), else the parent this process has as it starts: read first thing, before torch is imported.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
 
+LAUNCHER_PID = "TRAINMESH_LAUNCHER_PID"
+"""The pid of `trainmesh run`'s process (torchrun's agent), which it gives its workers: one that started after the
+launcher had died would otherwise take its new parent (init) for its launcher."""
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 WATCH_INTERVAL_S = 1.0
 
@@ -69,7 +75,8 @@ def end_with_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     launcher = launcher_of(env)
     if launcher is not None:
-        parent = os.getppid()
+        given = env.get(LAUNCHER_PID, "")
+        parent = int(given) if given.isdigit() else os.getppid()
         if launcher == "torchrun":
             die_with_parent(parent)
         watch_parent(parent)

@@ -4,17 +4,14 @@ A preemption's SIGTERM reaches every process of the job (SLURM signals the whole
 signals each worker's process group), DataLoader workers included. Left to the default handler, a worker dies
 and the rank fails ("DataLoader worker (pid ...) is killed by signal: Terminated") before it reaches the step
 boundary where it would save. So workers ignore SIGTERM and SIGINT: the training process stops at a step
-boundary and torch's loader ends its workers when the iterator goes away. Should the training process die, the
-kernel ends them with it (core/orphans.py).
+boundary and torch's loader ends its workers when the iterator goes away. Should the training process die, torch's
+own watch in each worker ends it within 5 s (and a worker whose launcher died kills them first, core/orphans.py).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
-
-from trainmesh.core.orphans import die_with_parent
 
 
 def ignore_stop_signals() -> None:
@@ -29,11 +26,9 @@ class WorkerInit:
 
     def __init__(self, then: Callable[[int], None] | None = None) -> None:
         self.then = then
-        self.parent = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
         ignore_stop_signals()
-        die_with_parent(self.parent)  # the training process (a loader starts workers from the thread it runs in)
         if self.then is not None:
             self.then(worker_id)
 

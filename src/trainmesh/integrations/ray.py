@@ -43,6 +43,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.job import Job, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import Recipe
+from trainmesh.resume import check_resumable
 from trainmesh.rundir import new_job_id, resumed_if_checkpointed, take_run_dir
 from trainmesh.worker import run_worker
 
@@ -73,6 +74,7 @@ def prepare(config: Config, num_workers: int, recipe: Recipe | None = None) -> t
     job = job.named(run_dir.name, resume=job.resume)
     # From here on, a checkpoint in the folder of a new run is its own: Ray restarted the workers (below).
     refuse_other_runs_checkpoints(job, run_dir)
+    check_resumable(job.config, run_dir)
     return job, run_dir
 
 
@@ -131,7 +133,7 @@ def fit(
     recipe: Recipe | None = None,
 ) -> RayRun:
     """Train `config` (complete, from `trainmesh.job.load_config`) on Ray Train's workers; the launcher's part
-    (resolve, run folder, its lock and config.toml) runs here, on the driver. `run_config` defaults to one that
+    (resolve, run folder, its lock, the resume's check) runs here, on the driver. `run_config` defaults to one that
     keeps Ray's own records in `<run>/ray`; with its FailureConfig(max_failures=N), each restart of the workers
     continues from the run's newest checkpoint."""
     workers = scaling_config.num_workers

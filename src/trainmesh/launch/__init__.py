@@ -27,6 +27,7 @@ from torch.distributed.launcher.api import elastic_launch
 from trainmesh.core.dist import is_loopback, loopback_store
 from trainmesh.core.exit_records import read_records, records_folder
 from trainmesh.core.logging import get_logger
+from trainmesh.core.orphans import LAUNCHER_PID
 from trainmesh.core.rank_logs import PREFIX, RankLogs, claim_launch_folder
 from trainmesh.launch.options import LaunchError, LaunchOptions, torchrun_argv
 from trainmesh.launch.outcome import explain_rendezvous_failure, report_failure, report_stop
@@ -123,12 +124,18 @@ NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 @contextlib.contextmanager
 def _agent_environment(opts: LaunchOptions) -> Iterator[None]:
-    """The environment torchrun's agent runs in (and passes on to the workers); a value already set wins."""
-    if not opts.rdzv_endpoint or NO_SHARED_STORE in os.environ:
-        yield
-        return
-    os.environ[NO_SHARED_STORE] = "1"
+    """The environment torchrun's agent runs in (and passes on to the workers): its own pid, which each worker
+    watches (core/orphans.py), and NO_SHARED_STORE for the c10d rendezvous (a value already set wins)."""
+    values = {LAUNCHER_PID: str(os.getpid())}
+    if opts.rdzv_endpoint and NO_SHARED_STORE not in os.environ:
+        values[NO_SHARED_STORE] = "1"
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ.pop(NO_SHARED_STORE, None)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -9,7 +9,7 @@ the same inf and takes the same skip decision.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,30 +49,39 @@ class ScaledMixedPrecision(MixedPrecision):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, torch.float16)
         self.scaler = torch.amp.GradScaler(device.type)
-        self._scaled = False  # a loss was scaled since the last step: its gradients are the scaler's to step
-        self._unscaled = False
+        self._scaled = False  # a loss was scaled since the last backward-free step...
+        self._stepped: set[int] = set()  # ... of these optimizers (ids): their gradients are the scaler's to step
+        self._unscaled: set[int] = set()  # optimizers unscaled for this step (GradScaler allows one unscale_)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
         self._scaled = True
+        self._stepped.clear()
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._scaled and not self._unscaled:  # GradScaler allows one unscale_ per step
+        if self._scaled and id(optimizer) not in self._stepped | self._unscaled:
             self.scaler.unscale_(optimizer)
-            self._unscaled = True
+            self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if not self._scaled:
-            # No loss was scaled since the last step: no scaled gradients to unscale or check, and no scale to
-            # update. DCP takes such a step (zero gradients, lr 0) to create an empty optimizer's state, through
-            # the optimizer rt.setup returned (runtime/optimizer.py).
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> bool:
+        if closure is not None:
+            raise ValueError(
+                "train.precision='16-mixed' steps through torch's GradScaler, which takes no closure (the gradients "
+                "a closure makes would be stepped unchecked). Fix: call the closure before the step, or use "
+                "--train.precision=bf16-mixed."
+            )
+        if not self._scaled or id(optimizer) in self._stepped:
+            # No loss was scaled since this optimizer's last step: no scaled gradients to unscale or check. DCP
+            # takes such a step (zero gradients, lr 0) to create an empty optimizer's state, through the optimizer
+            # rt.setup returned (runtime/optimizer.py). A second optimizer after one backward is not such a step.
             optimizer.step()
             return True
         self.unscale(optimizer)
         scale_before = self.scaler.get_scale()
         self.scaler.step(optimizer)  # skips optimizer.step() when the unscaled grads hold inf/NaN
         self.scaler.update()  # ... and then lowers the scale, which is how we detect the skip
-        self._scaled = self._unscaled = False
+        self._stepped.add(id(optimizer))
+        self._unscaled.discard(id(optimizer))
         return self.scaler.get_scale() >= scale_before
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,9 +43,10 @@ class Precision(ABC):
         """Bring gradients to their true magnitude; called once per step, before clipping."""
         del optimizer  # only loss-scaling precisions have anything to undo
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Take the optimizer step; False when it was skipped (loss-scale overflow)."""
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> bool:
+        """Take the optimizer step; False when it was skipped (loss-scale overflow). `closure`: for an optimizer
+        that evaluates the loss itself, maybe several times (LBFGS)."""
+        optimizer.step() if closure is None else optimizer.step(closure)  # a step() of its own may take none
         return True
 
     def state_dict(self) -> dict[str, Any]:

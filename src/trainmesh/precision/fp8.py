@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,8 +89,8 @@ class Float8MixedPrecision(MixedPrecision):
         if self.options.fsdp_all_gather:
             self._precompute_for.append(module)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> bool:
+        optimizer.step() if closure is None else optimizer.step(closure)  # a step() of its own may take none
         if self._precompute_for:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

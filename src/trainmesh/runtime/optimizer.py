@@ -17,7 +17,6 @@ import copy
 from collections.abc import Callable
 from typing import Any, SupportsIndex, cast
 
-import torch
 from torch.optim import Optimizer
 
 from trainmesh.precision import Precision
@@ -39,15 +38,18 @@ class RuntimeOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """`rt.step(optimizer)`: unscale (unless `rt.clip_grad_norm` did), skip an overflowing step, update the
-        loss scale. Returns the closure's loss, or None, as torch's optimizers do; `step_was_skipped` (or
-        `rt.step`'s bool) tells whether it was skipped. A closure is called once, before the step (so not for an
-        optimizer that calls it again, LBFGS); under 16-mixed it must use rt.backward."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.__dict__[_SKIPPED] = not _precision(self).step(_inner(self))
-        return loss
+        loss scale. Returns the closure's (first) loss, or None, as torch's optimizers do; `step_was_skipped` (or
+        `rt.step`'s bool) tells whether it was skipped. A closure goes to the optimizer, which may call it several
+        times (LBFGS); 16-mixed refuses one (GradScaler's step takes none): call it before the step there."""
+        losses: list[float] = []
+
+        def recorded() -> float:
+            assert closure is not None
+            losses.append(closure())
+            return losses[-1]
+
+        self.__dict__[_SKIPPED] = not _precision(self).step(_inner(self), recorded if closure else None)
+        return losses[0] if losses else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _inner(self).zero_grad(set_to_none)

@@ -48,9 +48,11 @@ def _hint(stderr: str) -> list[str]:
     return shlex.split(printed.group(1))
 
 
-@pytest.fixture
-def trained(tmp_path: Path) -> tuple[Path, Path]:
-    """A 4-step run with settings of its own, on a text file (not the embedded corpus)."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 4-step run with settings of its own, on a text file (not the embedded corpus). Shared: the refusals
+    leave it as it was, and then the hints' test continues it."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000)))
     args = ["run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "1", "--run-id", "own"]
@@ -112,7 +114,7 @@ def test_a_plain_python_worker_stopped_by_sigterm_prints_a_command_that_continue
     """Without trainmesh's launcher (plain python here; torchrun and srun alike), the worker says how to resume."""
     args = [sys.executable, "-m", "trainmesh", "gpt", "--config", str(nano_toml(tmp_path)), "--run.id=solo"]
     job = subprocess.Popen(
-        [*args, "--train.max_steps=100", *OWN], cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True
+        [*args, "--train.max_steps=60", *OWN], cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True
     )
     run_dir = tmp_path / "runs" / "solo"
     deadline = time.monotonic() + 90
@@ -125,7 +127,7 @@ def test_a_plain_python_worker_stopped_by_sigterm_prints_a_command_that_continue
     assert hint == [sys.executable, "-m", "trainmesh", "gpt", "--resume", "--run-dir", str(run_dir)], hint
     stopped = latest_checkpoint(run_dir)
     assert stopped is not None
-    resumed = _run(tmp_path, hint)  # as printed: its model (n_embd 48) and its 100 steps from config.toml
+    resumed = _run(tmp_path, hint)  # as printed: its model (n_embd 48) and its 60 steps from config.toml
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {stopped}" in resumed.stderr
-    assert latest_checkpoint(run_dir).name == "step_00000100"  # type: ignore[union-attr]
+    assert latest_checkpoint(run_dir).name == "step_00000060"  # type: ignore[union-attr]

@@ -68,3 +68,16 @@ def test_safetensors_files_get_the_mode_of_any_new_file(tmp_path: Path, umask: i
     assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
     assert torch.equal(load_file(out)["w"], torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "raw.safetensors"]  # no temporary
+
+
+def test_inspect_allocates_nothing_for_metadata_claiming_more_than_is_stored(tmp_path: Path) -> None:
+    """A forged .metadata naming a 10^12-element tied copy: the tied-weight check reads nothing (it would allocate
+    terabytes) and names no tie."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from trainmesh.checkpoint.inspect import tied_copies
+
+    size = torch.Size([10**6, 10**6])
+    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata([0, 0], size)])
+    (tmp_path / "__0_0.distcp").write_bytes(b"\0" * 64)
+    assert tied_copies(tmp_path, {"wte.weight": meta, "lm_head.weight": meta}, {"wte.weight"}) == {}

@@ -85,6 +85,9 @@ def tied_copies(ckpt: Path, model: dict[str, TensorStorageMetadata], trained: se
     wanted = set(partners).union(*partners.values())
     if not wanted:
         return {}
+    needed = sum(model[name].size.numel() * shape[name][1].itemsize for name in wanted)
+    if needed > sum(f.stat().st_size for f in ckpt.glob("*.distcp")):  # metadata claiming more than is stored
+        return {}  # (forged, or damaged): nothing is allocated for it
     values = {f"model.{name}": torch.empty(shape[name][0], dtype=shape[name][1]) for name in sorted(wanted)}
     with single_process_quiet():
         dcp.load(values, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(), no_dist=True)

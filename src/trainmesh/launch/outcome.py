@@ -87,6 +87,8 @@ def report_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool)
     message: object = first.message  # the error file's text, or its nested {"message": ...} record
     if isinstance(message, dict):
         message = message.get("message", "")
+    if str(message).startswith("To enable traceback see"):  # torch's text for a rank that wrote no error file
+        message = ""
     if message and not user_error:  # a user error's message is in the rank's log
         log.error("rank %d error: %s", first_rank, message)
     stderr = Path(first.error_file).parent / STDERR

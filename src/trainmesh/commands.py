@@ -33,6 +33,7 @@ from trainmesh.rundir import (
     MAX_CONFIG_BYTES,
     RunLock,
     check_auto_resume,
+    launch_line,
     new_job_id,
     record_new_run,
     take_run_dir,
@@ -187,7 +188,7 @@ def hold_run_dir(job: Job, run_dir: Path, launch_id: str, resume_hint: str | Non
     they have loaded its checkpoint (rundir.commit_config): a launch that fails before leaves it as it was."""
     with RunLock(run_dir, launch_id) as lock:
         refuse_other_runs_checkpoints(job, run_dir, resume_hint)
-        path = _write_or_match_config(run_dir, job, joined=lock.joined)
+        path = _write_or_match_config(run_dir, job, launch_id, joined=lock.joined)
         if not lock.joined:
             record_new_run(run_dir, job.config)
         # The file stays when this launch ends: the workers of nodes that joined it may restart and read it again.
@@ -205,19 +206,26 @@ def refuse_other_runs_checkpoints(job: Job, run_dir: Path, resume_hint: str | No
         )
 
 
-def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
+def _write_or_match_config(run_dir: Path, job: Job, launch_id: str, joined: bool) -> Path:
     """The launch holding the lock writes the config its workers read; another node of the same job (sharing the
     folder) checks that its own config is the same, instead of overwriting it under running workers."""
     if not joined:
-        return write_launch_config(run_dir, job.config)
+        return write_launch_config(run_dir, job.config, launch_id)
     path = run_dir / LAUNCH_CONFIG_FILE
+
+    def written() -> str:  # this launch's file: an earlier launch's may still be there (a requeued job's)
+        try:
+            text = read_bytes(path, MAX_CONFIG_BYTES).decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
+        return text if text.startswith(launch_line(launch_id)) else ""
+
     deadline = time.monotonic() + 30
-    while not path.is_file() and time.monotonic() < deadline:  # the node holding the lock writes it first
+    while not written() and time.monotonic() < deadline:  # the node holding the lock writes it first
         time.sleep(0.2)
     # checkpoint.resume may differ: a node restarted later (--auto-resume) finds the checkpoints the first start
     # had not made yet, and the workers agree on resuming among themselves.
-    written = read_bytes(path, MAX_CONFIG_BYTES).decode(errors="replace") if path.is_file() else ""
-    ours, theirs = _without_resume(job.config_toml()), _without_resume(written)
+    ours, theirs = _without_resume(job.config_toml()), _without_resume(written())
     if theirs != ours:
         diff = [line for line in ours if line not in theirs][:5]
         raise LaunchError(
@@ -228,7 +236,7 @@ def _write_or_match_config(run_dir: Path, job: Job, joined: bool) -> Path:
 
 
 def _without_resume(config_toml: str) -> list[str]:
-    return [line for line in config_toml.splitlines() if not line.startswith("resume = ")]
+    return [line for line in config_toml.splitlines() if not line.startswith(("resume = ", "#"))]
 
 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -79,7 +79,7 @@ def load_run_config(
     command = merge_overrides(load_toml(path) if path else {}, overrides)
     run, checkpoint = (_section(command, name) for name in ("run", "checkpoint"))
     asked = _is_true(checkpoint.get("resume", False))
-    if run_dir is None and run.get("id"):
+    if run_dir is None and run.get("id") not in (None, ""):
         run_dir = Path(str(run.get("out_dir", RunConfig.out_dir))) / str(run["id"])
     if not (asked or auto_resume) or run_dir is None or not run_dir.is_dir():  # a missing one is refused when taken
         return RunStart(load_config(path, overrides, recipe))

@@ -139,20 +139,26 @@ def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
     )
 
 
-def write_launch_config(run_dir: Path, config: Config) -> Path:
-    """The config a launch hands its workers, `<run>/.config.launch.toml`: `config.toml` itself is replaced only
-    once they have taken the folder over and loaded its checkpoint (`commit_config`)."""
+def write_launch_config(run_dir: Path, config: Config, launch_id: str) -> Path:
+    """The config a launch hands its workers, `<run>/.config.launch.toml`, its first line naming the launch (for
+    the nodes that join it): `config.toml` itself is replaced only once the workers have taken the folder over
+    and loaded its checkpoint (`commit_config`)."""
     path = run_dir / LAUNCH_CONFIG_FILE
-    write_atomically(path, dump_toml(config_to_dict(config)))
+    write_atomically(path, launch_line(launch_id) + dump_toml(config_to_dict(config)))
     return path
 
 
+def launch_line(launch_id: str) -> str:
+    """The first line of a launch's config file: a TOML comment naming the launch."""
+    return f"# launch {launch_id}\n"
+
+
 def record_new_run(run_dir: Path, config: Config) -> None:
-    """`config` as the run's config.toml when the folder has none yet (a new run): its record from the start, so
-    that a run stopped before its first checkpoint resumes with its own settings. An existing one is left for
-    `commit_config` (a symlink planted there too: that replaces it, never writing through it)."""
+    """`config` as the run's config.toml when the folder has none yet and no checkpoint (a new run): its record
+    from the start, so that a run stopped before its first checkpoint resumes with its own settings. An existing
+    one is left for `commit_config` (a symlink planted there too: that replaces it, never writing through it)."""
     path = run_dir / CONFIG_FILE
-    if not (path.exists() or path.is_symlink()):
+    if not (path.exists() or path.is_symlink() or list_checkpoints(run_dir)):  # a resume's is the checkpoint's
         write_atomically(path, dump_toml(config_to_dict(config)))
 
 

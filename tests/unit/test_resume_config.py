@@ -136,6 +136,7 @@ def test_config_toml_is_replaced_keeping_the_one_it_replaces(tmp_path: Path) -> 
             ["run", "gpt", "--auto", "--conf", "c.toml", "--run-i", "x", "--nproc_per_node=2"],
             ["run", "gpt", "--nproc_per_node=2"],
         ),
+        (["run", "gpt", "--a", "--c", "c.toml", "--run-id", "x"], ["run", "gpt"]),  # argparse's shortest prefixes
     ],
 )
 def test_a_resume_command_repeats_the_launch_flags_as_typed(argv: list[str], kept: list[str]) -> None:
@@ -183,3 +184,18 @@ def test_a_new_run_is_recorded_once_and_never_over_an_existing_record(tmp_path: 
     first = (tmp_path / CONFIG_FILE).read_bytes()
     record_new_run(tmp_path, nano_config(tmp_path, "--train.max_steps=99"))
     assert (tmp_path / CONFIG_FILE).read_bytes() == first
+
+
+def test_a_run_id_that_reads_as_a_number_is_a_name(tmp_path: Path) -> None:
+    from trainmesh.cli.flags import build_parser, split_recipe_args
+
+    parser = build_parser()
+    args = parser.parse_args(["run", "gpt", "--run-id", "0", "--resume"])
+    overrides = split_recipe_args(parser, args)
+    assert '--run.id="0"' in overrides
+    config = nano_config(tmp_path, "--run.id=r")
+    run_dir = tmp_path / "runs" / "0"
+    run_dir.mkdir(parents=True)
+    (run_dir / CONFIG_FILE).write_text(dump_toml(config_to_dict(config)).replace('id = "r"', 'id = "0"'))
+    start = load_run_config(None, [f"--run.out_dir={tmp_path / 'runs'}", *overrides], "gpt")
+    assert start.run_dir == run_dir  # its own config: not the defaults

@@ -296,7 +296,27 @@ def test_a_node_restarted_later_may_resume_where_the_first_start_did_not(tmp_pat
     def job(*overrides: str) -> Any:
         return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)
 
-    _write_or_match_config(tmp_path, job(), joined=False)  # the first start writes resume = false
-    _write_or_match_config(tmp_path, job("--checkpoint.resume=true"), joined=True)
+    _write_or_match_config(tmp_path, job(), "j1", joined=False)  # the first start writes resume = false
+    _write_or_match_config(tmp_path, job("--checkpoint.resume=true"), "j1", joined=True)
     with pytest.raises(LaunchError, match=r"different config \(this node has: lr = 0.001\)"):
-        _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), joined=True)
+        _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), "j1", joined=True)
+
+
+def test_a_joining_node_waits_for_its_own_launchs_config_not_an_earlier_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requeued multi-node job repeats its launch id's parts, and the file of the launch before is still in the
+    folder: a node that joins compares with its own launch's file, written by the node holding the lock."""
+    import threading
+
+    from trainmesh.commands import _write_or_match_config
+    from trainmesh.job import load_config, resolve
+
+    def job(*overrides: str) -> Any:
+        return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)
+
+    _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), "before", joined=False)  # the launch before
+    writer = threading.Timer(0.5, lambda: _write_or_match_config(tmp_path, job(), "now", joined=False))
+    writer.start()
+    _write_or_match_config(tmp_path, job(), "now", joined=True)  # waits for "now", then matches
+    writer.join()

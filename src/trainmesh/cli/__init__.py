@@ -104,7 +104,11 @@ def invoked_as() -> list[str]:
     if os.path.basename(started) != "trainmesh":  # main() called from Python, or python -m trainmesh.cli
         return [sys.executable, "-m", "trainmesh.cli"]
     found = shutil.which("trainmesh")
-    return ["trainmesh"] if found and os.path.samefile(found, started) else [started]
+    try:
+        on_path = found is not None and os.path.samefile(found, started)
+    except OSError:  # argv[0] is no path from here (a wrapper's exec -a)
+        on_path = False
+    return ["trainmesh"] if on_path else [started]
 
 
 def _horovodrun(argv: list[str]) -> int:

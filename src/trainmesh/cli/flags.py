@@ -4,6 +4,7 @@ only; no torch, no trainmesh imports beyond the bottom layer, so `trainmesh --he
 from __future__ import annotations
 
 import argparse
+import json
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,7 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if unknown:
         parser.error(f"unrecognised arguments {unknown}; config overrides look like --section.key=value")
     if args.run_id and args.command not in ("slurm", "k8s"):  # theirs is the job's, e.g. gpt-$SLURM_JOB_ID
-        overrides.append(f"--run.id={args.run_id}")
+        overrides.append(f"--run.id={json.dumps(args.run_id)}")  # quoted: `--run-id 0` is a name, not a number
     if getattr(args, "resume", False):
         overrides.append("--checkpoint.resume=true")
     return overrides
@@ -305,7 +306,7 @@ def _full_flag(name: str) -> str:
     """One of the flags a resume command drops, as `name` abbreviates or spells it (argparse accepts a unique
     prefix: one of these flags' prefixes is theirs); else `name`."""
     spelled = name.replace("_", "-")
-    if name.startswith("--") and len(spelled) > 3:
+    if name.startswith("--") and len(spelled) > 2:  # argparse refused an ambiguous prefix (--r, --re) already
         for flag in (*_NAMING_THE_RUN, *_RESUME_FLAGS):
             if flag.startswith(spelled):
                 return flag

@@ -75,7 +75,7 @@ def end_with_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     launcher = launcher_of(env)
     if launcher is not None:
-        given = env.get(LAUNCHER_PID, "")
+        given = env.get(LAUNCHER_PID, "") if launcher == "torchrun" else ""  # only trainmesh run's agent sets it
         parent = int(given) if given.isdigit() else os.getppid()
         if launcher == "torchrun":
             die_with_parent(parent)

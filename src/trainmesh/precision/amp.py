@@ -57,6 +57,7 @@ class ScaledMixedPrecision(MixedPrecision):
         self.scaler.scale(loss).backward()
         self._scaled = True
         self._stepped.clear()
+        self._unscaled.clear()
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if self._scaled and id(optimizer) not in self._stepped | self._unscaled:
@@ -70,10 +71,17 @@ class ScaledMixedPrecision(MixedPrecision):
                 "a closure makes would be stepped unchecked). Fix: call the closure before the step, or use "
                 "--train.precision=bf16-mixed."
             )
+        if self._scaled and self._stepped and id(optimizer) not in self._stepped:
+            raise ValueError(
+                "train.precision='16-mixed' with a second optimizer stepped after one backward: the loss scaler "
+                "updates its scale once per step, so the second one's gradients would be unscaled by another scale "
+                "than they were scaled with. Fix: one optimizer with parameter groups (torch.optim.AdamW([{'params': "
+                "...}, {'params': ..., 'lr': ...}])), or --train.precision=bf16-mixed."
+            )
         if not self._scaled or id(optimizer) in self._stepped:
             # No loss was scaled since this optimizer's last step: no scaled gradients to unscale or check. DCP
             # takes such a step (zero gradients, lr 0) to create an empty optimizer's state, through the optimizer
-            # rt.setup returned (runtime/optimizer.py). A second optimizer after one backward is not such a step.
+            # rt.setup returned (runtime/optimizer.py).
             optimizer.step()
             return True
         self.unscale(optimizer)

@@ -48,7 +48,7 @@ class RuntimeOptimizer(Optimizer):
             losses.append(closure())
             return losses[-1]
 
-        self.__dict__[_SKIPPED] = not _precision(self).step(_inner(self), recorded if closure else None)
+        self.__dict__[_SKIPPED] = not _precision(self).step(_inner(self), recorded if closure is not None else None)
         return losses[0] if losses else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

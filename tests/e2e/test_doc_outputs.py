@@ -44,8 +44,6 @@ DOCUMENTED_MEMORY = 23.5 * GiB
 """The host memory of the machine the docs' outputs come from (see the module docstring)."""
 UPDATE = "OMP_NUM_THREADS=1 .venv/bin/python tests/e2e/test_doc_outputs.py --update"
 TIME = re.compile(r"^\d\d:\d\d:\d\d ")
-PENDING: dict[str, str] = {}
-"""Blocks known to differ, each failing strictly (xfail) until the docs are updated: then remove it here."""
 
 
 @dataclass(frozen=True)
@@ -136,12 +134,7 @@ def normalised(lines: list[str]) -> list[str]:
 
 
 def _params() -> list[object]:
-    params: list[object] = []
-    for sample in all_samples():
-        pending = PENDING.get(sample.where)
-        marks = [pytest.mark.xfail(strict=True, reason=pending)] if pending else []
-        params.append(pytest.param(sample, id=sample.where, marks=marks))
-    return params
+    return [pytest.param(sample, id=sample.where) for sample in all_samples()]
 
 
 @pytest.mark.parametrize("sample", _params())
@@ -162,7 +155,6 @@ def test_the_documented_commands_are_found() -> None:
     found = {(s.where.split(":")[0], s.argv[0]) for s in all_samples()}
     assert {("docs/running.md", "check"), ("docs/plan.md", "plan"), ("docs/parallelism.md", "check")} <= found
     assert all(s.output for s in all_samples()), "a documented command without its output"
-    assert set(PENDING) <= {s.where for s in all_samples()}
 
 
 def update_docs(only: list[Path]) -> None:

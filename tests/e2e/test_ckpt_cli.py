@@ -207,7 +207,8 @@ def test_exported_files_get_the_mode_of_any_new_file(fresh_run: Path, tmp_path: 
     expected = stat.S_IMODE((tmp_path / "reference").stat().st_mode)
     assert expected == 0o664
     written = _files_under(fresh_run / "export")
-    assert [p.name for p in written] == ["config.json", "model.safetensors", "model_step_00000002.safetensors"]
+    names = ["config.json", "model.safetensors", "trainmesh_export.json", "model_step_00000002.safetensors"]
+    assert [p.name for p in written] == names
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == dict.fromkeys(
         (p.name for p in written), oct(expected)
     )

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -161,16 +162,21 @@ def test_config_errors_stop_before_any_process_starts(
 
 
 def test_a_rank_that_fails_on_bad_input_says_what_to_fix_without_a_traceback(tmp_path: Path) -> None:
-    """A shard folder without shards exists (so the launcher lets it through) but cannot be read."""
-    (tmp_path / "shards").mkdir()
-    result = _run_gpt(tmp_path, "--run-id", "bad-data", "--", f"--data.source={tmp_path / 'shards'}")
+    """Shards whose headers read (so the launcher's check lets them through) hold ids beyond the vocabulary,
+    which only the ranks' whole read finds."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("train.bin", "val.bin"):  # raw uint16 (nanoGPT's layout), ids up to 999
+        (shards / name).write_bytes(array("H", [*range(256)] * 8 + [999]).tobytes())
+    vocab = "--model.vocab_size=256"
+    result = _run_gpt(tmp_path, "--run-id", "bad-data", "--", f"--data.source={shards}", vocab)
     assert result.returncode == 2
-    said = r"\[rank{}\] ERROR data.source='[^']*shards': a shard folder needs"
+    said = r"\[rank{}\] ERROR token shard [^ ]*shards/train.bin holds token id 999, outside the model's vocabulary"
     assert re.search(said.format(0), result.stderr), result.stderr[-3000:]
     # Rank 1 learns it from rank 0, which prepares the data, and says it too: in its log file (the console shows
     # local rank 0; the launcher shows the end of a failed rank's file when that rank failed first).
     assert re.search(said.format(1), rank_output(tmp_path / "runs" / "bad-data" / "logs", 1))
-    assert "Fix: --data.source=" in result.stderr and "Traceback" not in result.stderr
+    assert "Fix: --model.vocab_size=1000 or more" in result.stderr and "Traceback" not in result.stderr
     assert re.search(r"rank \d failed first: exit code 2: a problem with the config, the inputs", result.stderr)
 
 

@@ -122,18 +122,21 @@ def test_bad_inputs_exit_2_saying_what_to_fix(
     Path("in").mkdir()
     Path("in/a.txt").write_text("text\n" * 100)
     Path("bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    Path("deep.jsonl").write_text("[" * 100_000)  # was a RecursionError's traceback
     pq.write_table(pa.table({"text": ["a"]}), "d.parquet")
     cases = [
         (["nothing.txt"], "input 'nothing.txt' does not exist"),
         (["in", "--tokenizer", "bpe"], "--tokenizer='bpe' is unknown; registered: byte, gpt2"),
         (["bad.jsonl"], "bad.jsonl:2: no field 'text' (its fields: body). Fix: --text-field="),
+        (["deep.jsonl"], "deep.jsonl:1: JSON nested more deeply than Python's parser reads"),
         (["in", "--out", "in/tokens"], "--out='in/tokens' is inside the input folder 'in'"),
         (["in", "--workers", "-1"], "--workers=-1: a count of processes"),
     ]
     for args, message in cases:
         out = [] if "--out" in args else ["--out", "out"]
         assert main(["data", "prepare", *args, *out]) == 2, args
-        assert message in capsys.readouterr().err, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, args
     assert main(["data", "prepare", "in", "--out", "out"]) == 0
     assert main(["data", "prepare", "in", "--out", "out"]) == 2
     assert "--out='out' exists and is not empty (an earlier prepare's output). Fix: --force" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_an_exported_gpt_loads_in_transformers_and_computes_the_same_logits(
     out = run_dir / "export" / "hf_step_00000002"
     printed = capsys.readouterr().out
     assert f"-> {out}: 28 tensors" in printed  # 2 + 12 per block + 2: the tied head is not stored
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # byte tokenizer: no files
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "trainmesh_export.json"]
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["hf_step_00000002"]  # no temporary left
     config = json.loads((out / "config.json").read_text())
     assert config["n_positions"] == 32 and config["vocab_size"] == 256 and config["eos_token_id"] is None
@@ -99,11 +99,15 @@ def test_an_exported_folder_starts_a_run_with_exactly_the_checkpoints_weights(ru
 def test_exporting_over_an_existing_folder_needs_force(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = run_dir.parent / "hf"
     out.mkdir()
-    (out / "precious").write_text("keep me")
     assert main(["ckpt", "export", "--format", "hf", str(run_dir), "-o", str(out)]) == 2
-    assert f"{out} already exists" in capsys.readouterr().err and (out / "precious").exists()
-    assert main(["ckpt", "export", "--format", "hf", str(run_dir), "-o", str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # replaced as a whole
+    assert f"{out} already exists" in capsys.readouterr().err
+    (out / "precious").write_text("keep me")  # --force replaces only an empty folder or an earlier export's
+    assert main(["ckpt", "export", "--format", "hf", str(run_dir), "-o", str(out), "--force"]) == 2
+    assert "is not the output of an earlier trainmesh ckpt export" in capsys.readouterr().err
+    (out / "precious").unlink()
+    for _ in range(2):  # the empty folder, then the earlier export
+        assert main(["ckpt", "export", "--format", "hf", str(run_dir), "-o", str(out), "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "trainmesh_export.json"]
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["hf", "r"]  # no temporary or old folder left
     file = run_dir.parent / "model.safetensors"
     file.write_text("a file")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import trainmesh.data.corpus as corpus_module
 from support import nano_config, train_records
 from trainmesh.data.corpus import (
     BadShardError,
@@ -83,6 +85,30 @@ def test_bad_shards_are_refused_naming_the_file(tmp_path: Path) -> None:
     ]:
         with pytest.raises(BadShardError, match=re.escape(message)):
             load_tokens(tmp_path / name)
+
+
+def test_a_shard_is_read_whole_once_and_again_only_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
+    np.arange(10, dtype=np.uint16).tofile(data / "val.bin")
+    corpus = shard_corpus(data)
+    scans: list[str] = []
+    real_scan = corpus_module._scan
+    monkeypatch.setattr(corpus_module, "_scan", lambda path, sha: scans.append(path.name) or real_scan(path, sha))
+    check_token_range(corpus, 256, cache)
+    check_token_range(corpus, 256, cache)
+    assert sorted(scans) == ["train.bin", "train.bin", "val.bin", "val.bin"]  # written just now: not trusted yet
+    monkeypatch.setattr(corpus_module, "RACY_NS", 0)
+    scans.clear()
+    check_token_range(corpus, 256, cache)
+    check_token_range(corpus, 256, cache)
+    assert sorted(scans) == ["train.bin", "val.bin"]  # then from the cache
+    os.utime(data / "val.bin")  # touched: read again
+    check_token_range(corpus, 256, cache)
+    assert sorted(scans) == ["train.bin", "val.bin", "val.bin"]
 
 
 def test_token_ids_beyond_the_vocabulary_are_caught_once_at_the_start(tmp_path: Path) -> None:

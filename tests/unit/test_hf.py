@@ -17,6 +17,7 @@ from trainmesh.job import load_config
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
 from trainmesh.recipes.gpt.hf import hf_config, split_heads, to_hf_state
 from trainmesh.recipes.gpt.hf_export import HFFormat
+from trainmesh.recipes.gpt.hf_init import complete_folder, largest_tensor, parameter_count
 from trainmesh.recipes.gpt.upgrade import fuse_heads
 from trainmesh.runtime.runtime import Runtime
 
@@ -175,6 +176,8 @@ def test_the_resolved_config_states_the_folders_shape(tmp_path: Path, monkeypatc
         ("list", [], r"config.json holds a JSON list, not a config object\. Fix: a folder saved by"),
         ("no-positions", [], r"config.json has n_positions=None, not a positive whole number\. Fix"),
         ("text-width", [], r"config.json has n_embd='abc', not a positive whole number\. Fix"),
+        ("huge", [], r"cannot read .*config.json: 2097152 bytes; a GPT-2 config.json is under 1 KiB.*Fix"),
+        ("nested", [], r"cannot read .*config.json: .*recursion.*Fix: a folder saved by save_pretrained"),
     ],
 )
 def test_folders_trainmesh_cannot_take_are_refused_at_resolve(
@@ -198,13 +201,88 @@ def test_folders_trainmesh_cannot_take_are_refused_at_resolve(
         config = json.loads((folder / "config.json").read_text())
         broken = {"list": [config], "no-positions": {k: v for k, v in config.items() if k != "n_positions"}}
         (folder / "config.json").write_text(json.dumps(broken.get(setup, config | {"n_embd": "abc"})))
+        if setup in ("huge", "nested"):  # never decoded whole / decoded without a crash
+            (folder / "config.json").write_text(" " * 2**21 if setup == "huge" else "[" * 10**6)
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"--model.init_from={folder}", *overrides], "gpt")
 
 
 def test_a_file_that_does_not_match_its_config_is_refused(tmp_path: Path) -> None:
+    """From the header's shapes, before any tensor is read (a width too large for the file is refused earlier)."""
     save_gpt2(tmp_path / "gpt2")
     config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config | {"n_embd": 64}))
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config | {"n_embd": 16}))
     with pytest.raises(ConfigError, match=r"does not hold the GPT-2 model its config.json describes.*wte.weight"):
         load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}", "--model.n_head=2"], "gpt")
+
+
+@pytest.mark.timeout(30)  # without the check, n_layer=10**7 grew by gigabytes for minutes: stop it early
+@pytest.mark.parametrize(
+    ("absurd", "message"),
+    [
+        ({"n_layer": 10**7}, "n_layer=10000000, n_embd=32, vocab_size=256, n_positions=128; they imply 127,040,012,"),
+        ({"n_embd": 2**20}, r"n_embd=1048576, .* imply 26,388,711,079,936 parameters \(98,305.6 GiB in fp32\)"),
+        ({"vocab_size": 2**31}, r"vocab_size=2147483648, .* imply 68,719,506,304 parameters"),
+    ],
+)
+def test_absurd_dimensions_in_config_json_are_refused_before_anything_is_allocated(
+    tmp_path: Path, absurd: dict[str, int], message: str
+) -> None:
+    """The file must be able to hold the parameters config.json implies (2 bytes each at least): checked from the
+    numbers alone, before a tensor or a per-layer table of that size is made."""
+    save_gpt2(tmp_path / "gpt2")
+    config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config | absurd))
+    with pytest.raises(ConfigError, match=message + r".*model.safetensors holds \d+ bytes, too few .*Fix: "):
+        load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}"], "gpt")
+
+
+def test_weights_larger_than_this_machines_memory_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even where the file is that large (a sparse file can be): a rank holds the model in fp32."""
+    hf = save_gpt2(tmp_path / "gpt2")
+    assert parameter_count({**SHAPE, "vocab_size": 256}) == sum(p.numel() for p in hf.parameters()) == 37_760
+    monkeypatch.setattr("trainmesh.recipes.gpt.hf_init.host_memory", lambda: 2.0**16)  # a 64 KiB machine
+    with pytest.raises(ConfigError, match=r"imply 37,760 parameters \(0.1 MiB in fp32\), more than the 0.1 MiB"):
+        load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}"], "gpt")
+
+
+@pytest.mark.parametrize(("key", "value"), [("n_embd", 10**200), ("n_layer", 10**400), ("vocab_size", 2**31 + 1)])
+def test_a_dimension_beyond_2_31_is_refused_before_any_arithmetic(tmp_path: Path, key: str, value: int) -> None:
+    """Not an OverflowError from the sizes in bytes (10**200 parameters do not convert to a float)."""
+    save_gpt2(tmp_path / "gpt2")
+    config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(ConfigError, match=rf"config.json has {key}=.*; at most 2\*\*31 is read\. Fix: "):
+        load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}"], "gpt")
+
+
+def test_with_meta_init_only_the_largest_tensor_must_fit_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parallel.meta_init gives a rank its share of the model only, but the rank reads each tensor whole: a login
+    node smaller than the model, but not than its largest tensor, may check a sharded run."""
+    save_gpt2(tmp_path / "gpt2")
+    shape = {**SHAPE, "vocab_size": 256}
+    assert 4 * largest_tensor(shape) == 4 * 256 * 32 < 2**16 < 4 * parameter_count(shape)  # wte: 32 KiB
+    monkeypatch.setattr("trainmesh.recipes.gpt.hf_init.host_memory", lambda: 2.0**16)  # a 64 KiB machine
+    model = GPTConfig(init_from=str(tmp_path / "gpt2"))
+    assert complete_folder(model, sharded=True).n_embd == 32
+    with pytest.raises(ValueError, match="without parallel.meta_init a rank holds the whole model in fp32"):
+        complete_folder(model)
+    monkeypatch.setattr("trainmesh.recipes.gpt.hf_init.host_memory", lambda: 2.0**14)  # 16 KiB
+    with pytest.raises(ValueError, match=r"its largest tensor alone takes 0.0 MiB in fp32, more than the 0.0 MiB"):
+        complete_folder(model, sharded=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_weights_that_are_not_floats_are_refused(tmp_path: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_gpt2(tmp_path / "gpt2")
+    path = tmp_path / "gpt2" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["transformer.h.1.mlp.c_fc.weight"] = tensors["transformer.h.1.mlp.c_fc.weight"].to(dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    stored = {torch.int8: "I8", torch.bool: "BOOL"}[dtype]
+    with pytest.raises(ConfigError, match=rf"transformer.h.1.mlp.c_fc.weight is {stored}; .*F16, BF16, F32 or F64"):
+        load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}"], "gpt")

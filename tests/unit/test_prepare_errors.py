@@ -73,7 +73,11 @@ def test_a_bad_json_line_stops_the_run_naming_file_and_line(tmp_path: Path, line
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
-def test_parquet_without_pyarrow_and_a_missing_column(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_parquet_and_datasets_without_their_packages_and_a_missing_column(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without pyarrow, looking for `pyarrow.parquet` raised ModuleNotFoundError (a traceback): it imports
+    `pyarrow` first. A package not installed is simulated as an import sees it: None in sys.modules, no submodule."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -81,10 +85,18 @@ def test_parquet_without_pyarrow_and_a_missing_column(monkeypatch: pytest.Monkey
     refused(
         r"d.parquet has no column 'text' \(its columns: body\). Fix: --text-field=", tmp_path, tmp_path / "d.parquet"
     )
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    for package in ("pyarrow", "datasets"):
+        for name in [n for n in sys.modules if n.startswith(f"{package}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)
     refused(
         r"needs the Python package 'pyarrow'.*Fix: pip install 'trainmesh\[data\]'", tmp_path, tmp_path / "d.parquet"
     )
+    saved = tmp_path / "saved"  # a saved dataset as find_sources tells one: refused before a file of it is read
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "dataset_info.json").write_text("{}")
+    refused(r"saved \(hf\) needs the Python package 'datasets'.*Fix: pip install 'trainmesh\[data\]'", tmp_path, saved)
 
 
 def test_out_is_never_an_input_and_is_replaced_only_with_force(tmp_path: Path, text: Path) -> None:
@@ -130,7 +142,7 @@ def test_force_never_replaces_a_folder_an_earlier_prepare_did_not_write(tmp_path
         json.dumps({"format": "trainmesh-tokens", "splits": {"train": {"shards": listed}}})
     )
     refused(
-        r"thesis' holds files an earlier prepare did not write \(chapter1.tex, ",
+        r"thesis' holds files an earlier trainmesh data prepare did not write \(chapter1.tex, ",
         tmp_path,
         text,
         out="thesis",
@@ -138,7 +150,12 @@ def test_force_never_replaces_a_folder_an_earlier_prepare_did_not_write(tmp_path
     )
     run(tmp_path, text)
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    refused(r"--out='.*out' holds files an earlier prepare did not write \(notes.txt\)", tmp_path, text, force=True)
+    refused(
+        r"--out='.*out' holds files an earlier trainmesh data prepare did not write \(notes.txt\)",
+        tmp_path,
+        text,
+        force=True,
+    )
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out", "thesis"]
 
@@ -177,8 +194,32 @@ def test_force_checks_out_again_at_the_commit(monkeypatch: pytest.MonkeyPatch, t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(prepare_module, "build", meanwhile)
-    refused(r"--out='.*out' holds files an earlier prepare did not write \(notes.txt\)", tmp_path, text, force=True)
+    refused(
+        r"--out='.*out' holds files an earlier trainmesh data prepare did not write \(notes.txt\)",
+        tmp_path,
+        text,
+        force=True,
+    )
     assert (tmp_path / "out" / "notes.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+
+
+def test_force_never_deletes_a_file_written_between_the_last_check_and_the_rename(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path
+) -> None:
+    """A file written into --out after prepare's check at the commit, as the old folder was replaced, was deleted
+    with it: the folder is checked again once moved aside, and put back."""
+    run(tmp_path, text)
+    real = prepare_module.replace_folder
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        (tmp_path / "out" / "notes.txt").write_text("written at the commit")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "replace_folder", late)
+    refused(r"--out='.*out' holds files an earlier trainmesh data prepare did not write \(notes.txt\)", tmp_path, text,
+            force=True)  # fmt: skip
+    assert (tmp_path / "out" / "notes.txt").read_text() == "written at the commit"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
 
 
 def test_a_failed_commit_puts_the_old_out_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: Path) -> None:

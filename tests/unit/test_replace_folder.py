@@ -1,16 +1,32 @@
 """core/files.py `replace_folder`, the one commit of a folder written as a whole (an export, prepared token
-shards): nothing is replaced without `replace`, a failed rename puts the old folder back, a symlink is replaced
-as a link, and everything is fsynced before the rename."""
+shards): nothing is replaced without `replace`, and with it only a folder its owner wrote (checked once moved
+aside, and only its files deleted); a failed rename puts the old folder back, a symlink is replaced as a link,
+and everything is fsynced before the rename."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
 
 from trainmesh.core import files
-from trainmesh.core.files import replace_folder
+from trainmesh.core.errors import UserError
+from trainmesh.core.files import FolderOwner, check_replaceable, replace_folder
+
+
+class Refused(UserError):
+    pass
+
+
+def _marked(folder: Path) -> set[str] | None:
+    """The files a MARK file lists, and MARK: the test's owner writes MARK last, naming what it wrote."""
+    marker = folder / "MARK"
+    return {"MARK", *marker.read_text().split()} if marker.is_file() else None
+
+
+OWNER = FolderOwner(command="test write", marker="MARK", written=_marked, error=Refused)
 
 
 def folder(path: Path, **contents: str) -> Path:
@@ -18,6 +34,11 @@ def folder(path: Path, **contents: str) -> Path:
     for name, text in contents.items():
         (path / name).write_text(text)
     return path
+
+
+def ours(path: Path, **contents: str) -> Path:
+    """A folder the owner wrote: `contents` and a MARK listing them."""
+    return folder(path, **contents, MARK=" ".join(contents))
 
 
 def test_without_replace_nothing_there_is_taken(tmp_path: Path) -> None:
@@ -38,7 +59,7 @@ def test_without_replace_nothing_there_is_taken(tmp_path: Path) -> None:
 def test_replace_puts_the_old_folder_back_when_the_rename_fails(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    out = folder(tmp_path / "out", b="old")
+    out = ours(tmp_path / "out", b="old")
     new = folder(tmp_path / ".new", a="new")
     real = os.rename
 
@@ -49,11 +70,11 @@ def test_replace_puts_the_old_folder_back_when_the_rename_fails(
 
     monkeypatch.setattr(files.os, "rename", failing)
     with pytest.raises(OSError, match="No space left"):
-        replace_folder(new, out, replace=True)
+        replace_folder(new, out, replace=True, owner=OWNER)
     assert (out / "b").read_text() == "old" and (new / "a").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".new", "out"]
     monkeypatch.setattr(files.os, "rename", real)
-    replace_folder(new, out, replace=True)
+    replace_folder(new, out, replace=True, owner=OWNER)
     assert [p.name for p in out.iterdir()] == ["a"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -61,7 +82,7 @@ def test_a_symlink_is_replaced_as_a_link_and_its_target_left_alone(tmp_path: Pat
     target = folder(tmp_path / "target", keep="mine")
     link = tmp_path / "link"
     link.symlink_to(target, target_is_directory=True)
-    replace_folder(folder(tmp_path / ".new", a="new"), link, replace=True)
+    replace_folder(folder(tmp_path / ".new", a="new"), link, replace=True, owner=OWNER)
     assert not link.is_symlink() and [p.name for p in link.iterdir()] == ["a"]
     assert (target / "keep").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
@@ -79,3 +100,80 @@ def test_files_and_folders_are_fsynced_before_the_rename(monkeypatch: pytest.Mon
     synced_before = set(events[: events.index(f"rename {new}")])
     assert {str(new / "a"), str(new / "sub" / "b"), str(new / "sub"), str(new)} <= synced_before
     assert events[-1] == str(tmp_path)  # the rename itself, made durable
+
+
+@pytest.mark.parametrize(
+    ("contents", "why"),
+    [
+        ({"thesis.tex": "mine"}, r"is not the output of an earlier test write \(it has no MARK of trainmesh's\)"),
+        ({"MARK": "a", "a": "ours", "notes.txt": "mine"}, r"holds files an earlier test write did not write"),
+    ],
+)
+def test_only_an_empty_folder_or_one_its_owner_wrote_is_replaced(
+    tmp_path: Path, contents: dict[str, str], why: str
+) -> None:
+    """The one rule of --force for data prepare and ckpt export: a folder of the user's files is never deleted."""
+    out = folder(tmp_path / "out", **contents)
+    new = folder(tmp_path / ".new", a="new")
+    message = rf"{out} {why}.*, so it is not replaced, with --force or without"
+    with pytest.raises(Refused, match=message):
+        check_replaceable(out, OWNER)
+    with pytest.raises(Refused, match=message):
+        replace_folder(new, out, replace=True, owner=OWNER)
+    assert {p.name: p.read_text() for p in out.iterdir()} == contents and (new / "a").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new", "out"]  # put back, nothing else left
+    for replaced in (folder(tmp_path / "empty"), ours(tmp_path / "earlier", a="old", b="old")):
+        check_replaceable(replaced, OWNER)
+        replace_folder(folder(tmp_path / f".{replaced.name}.new", a="new"), replaced, replace=True, owner=OWNER)
+        assert {p.name: p.read_text() for p in replaced.iterdir()} == {"a": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new", "earlier", "empty", "out"]
+
+
+def test_a_file_written_after_the_callers_check_is_never_deleted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--force deleted a file written into the old folder between the last check and the rename. Written before
+    the folder is moved aside, the replacement is refused and the folder put back; written after, into the folder
+    moved aside, only the owner's files are deleted from it and it is left with a warning."""
+    out = ours(tmp_path / "out", a="old")
+    check_replaceable(out, OWNER)
+    (out / "notes.txt").write_text("written after the check")
+    new = folder(tmp_path / ".new", a="new")
+    with pytest.raises(Refused, match=r"out holds files an earlier test write did not write \(notes.txt\)"):
+        replace_folder(new, out, replace=True, owner=OWNER)
+    assert sorted(p.name for p in out.iterdir()) == ["MARK", "a", "notes.txt"]
+    (out / "notes.txt").unlink()
+
+    real = os.rename
+
+    def late(src: str | Path, dst: str | Path) -> None:
+        if Path(src) == new:  # the old folder is aside and checked: a write into it lands now
+            (next(tmp_path.glob(".out.old-*")) / "late.txt").write_text("mine")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", late)
+    with caplog.at_level(logging.WARNING, logger="trainmesh"):
+        replace_folder(new, out, replace=True, owner=OWNER)
+    (old,) = tmp_path.glob(".out.old-*")
+    assert [p.name for p in old.iterdir()] == ["late.txt"] and [p.name for p in out.iterdir()] == ["a"]
+    assert f"its old folder, moved to {old}, is left there (it holds late.txt)" in caplog.text
+
+
+def test_a_folder_gone_before_it_is_moved_aside_is_nothing_to_replace(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two --force commits at once: the other one moved `dest` aside between this one's look and its own move,
+    which raised a raw FileNotFoundError."""
+    out = ours(tmp_path / "out", a="old")
+    new = folder(tmp_path / ".new", a="new")
+    real = os.rename
+
+    def raced(src: str | Path, dst: str | Path) -> None:
+        if Path(src) == out and Path(dst).name.startswith(".out.old-"):
+            real(out, tmp_path / ".out.old-other")  # the other commit's move, just before this one's
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", raced)
+    replace_folder(new, out, replace=True, owner=OWNER)
+    assert [p.name for p in out.iterdir()] == ["a"] and (out / "a").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old-other", "out"]  # the other's to finish

@@ -8,8 +8,12 @@ another program's format (`export_folder`; the recipe converts, e.g. the GPT to 
 The checkpoint is verified against its manifest before anything in it is read (an unverified one is
 refused, with its problems). The default output is `<run>/export/model_step_XXXXXXXX.safetensors`; an
 existing file is replaced only with `force`, and the file is written under a temporary name and
-renamed into place, so a failed export leaves nothing behind. Exported files get the mode of any new file
-under the user's umask (0644 under the usual 022).
+renamed into place, so a failed export leaves nothing behind. An output inside a checkpoint, or inside a run's
+checkpoints/ folder, is refused: a checkpoint holding a file its manifest does not list fails verification.
+A folder export lists its files in `trainmesh_export.json`, and `force` replaces only an empty folder or an
+earlier export's (core/files.py `FolderOwner`, the rule data prepare's --force follows too), never a folder
+of the user's own files. Exported files get the mode of any new file under the user's umask (0644 under the
+usual 022).
 
 Tensors keep their names (as in the model's `state_dict()`), dtypes and values exactly. Tied weights
 (the GPT recipe's `wte.weight` and `lm_head.weight`) are kept under both names, each with its own
@@ -31,18 +35,35 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, check_checkpoint
+from trainmesh.checkpoint.catalog import CHECKPOINT_DIR, check_checkpoint, list_checkpoints
 from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.checkpoint.inspect import checkpoints_at
-from trainmesh.checkpoint.state import TrainerState
+from trainmesh.checkpoint.manifest import MANIFEST as CHECKPOINT_MANIFEST
+from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import make_dirs, remove_tree, replace_file, replace_folder
+from trainmesh.core.files import (
+    FolderOwner,
+    JsonFileError,
+    check_replaceable,
+    is_plain_name,
+    make_dirs,
+    read_json,
+    remove_tree,
+    replace_file,
+    replace_folder,
+    warn_moved_aside,
+    write_atomically,
+)
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 
 log = get_logger(__name__)
 
 EXPORT_DIR = "export"
+EXPORT_MARKER = "trainmesh_export.json"
+"""Written last into a folder export: the files it wrote, so that --force replaces that folder and no other."""
+MARKER_FORMAT = "trainmesh-export"
+MAX_MARKER_BYTES = 1 << 20
 
 
 class ExportError(UserError, ValueError):
@@ -65,6 +86,29 @@ class FolderFormat(Protocol):
 
     def write(self, model_state: dict[str, torch.Tensor], state: TrainerState, folder: Path) -> int:
         """Write the files into `folder` (new and empty); returns how many tensors were written."""
+
+
+def exported_files(folder: Path) -> set[str] | None:
+    """The files an earlier folder export wrote into `folder` (its marker included), as its marker lists them;
+    None when `folder` holds no marker of trainmesh's."""
+    try:
+        body = read_json(folder / EXPORT_MARKER, MAX_MARKER_BYTES)
+        if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
+            return None
+        listed = [name for name in body["files"] if is_plain_name(name)]
+    except (JsonFileError, KeyError, TypeError):  # none, unreadable, or another layout
+        return None
+    return {EXPORT_MARKER, *listed}
+
+
+EXPORTED = FolderOwner(
+    command="trainmesh ckpt export",
+    marker=EXPORT_MARKER,
+    written=exported_files,
+    error=ExportUsageError,
+    other="-o another folder",
+    unmarked_note="; exports made before this version have none: remove such a folder yourself",
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +144,8 @@ def default_output(ckpt: Path, step: int) -> Path:
 
 def export_checkpoint(path: Path, out: Path | None = None, force: bool = False) -> Exported:
     """Verify, then write the model weights of a checkpoint (or a run's newest valid one) to safetensors."""
+    if out is not None:
+        refuse_inside_checkpoint(out)
     ckpt = exportable_checkpoint(path)
     state = TrainerState.read(ckpt)
     step = state.step
@@ -123,7 +169,10 @@ def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force:
 
     The folder is written under a temporary name beside `out` and renamed into place (core/files.py
     `replace_folder`), so a failed export leaves nothing behind; an existing `out` is replaced (after the new
-    one is complete, and put back if that fails) only with `force`; a symlink there is replaced, not followed."""
+    one is complete, and put back if that fails) only with `force`, and only an empty folder or an earlier
+    export's (`EXPORTED`); a symlink there is replaced, not followed."""
+    if out is not None:
+        refuse_inside_checkpoint(out)
     ckpt = exportable_checkpoint(path)
     state = TrainerState.read(ckpt)
     fmt.check(state)
@@ -131,6 +180,7 @@ def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force:
     out = out if out is not None else default_output(ckpt, state.step).with_name(f"{fmt.name}_step_{state.step:08d}")
     if out.exists() and not out.is_dir():
         raise ExportUsageError(f"{out} is a file; --format {fmt.name} writes a folder. Fix: -o a folder path.")
+    check_replaceable(out, EXPORTED)  # with --force or without: checked again at the commit
     if os.path.lexists(out) and not force:  # lexists: a dangling symlink is something there too
         raise ExportUsageError(f"{out} already exists. Fix: pass --force to replace it, or -o another folder.")
     model_state = read_full_state(ckpt)["model"]
@@ -138,13 +188,18 @@ def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force:
         make_dirs(out.parent.parent, EXPORT_DIR)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
+    warn_moved_aside(out)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     remove_tree(tmp)  # a leftover of a killed export that had this pid
     try:
         tmp.mkdir()
         tensors = fmt.write(model_state, state, tmp)
+        written = sorted(os.listdir(tmp))
+        assert all((tmp / name).is_file() for name in written), written  # a format writes files, no folders
+        marker = {"format": MARKER_FORMAT, "export_format": fmt.name, "step": state.step, "files": written}
+        write_atomically(tmp / EXPORT_MARKER, json.dumps(marker, indent=2) + "\n")
         try:
-            replace_folder(tmp, out, replace=force)
+            replace_folder(tmp, out, replace=force, owner=EXPORTED)
         except FileExistsError:
             raise ExportUsageError(
                 f"{out} appeared while the export was written (another export?); it is not replaced without "
@@ -154,6 +209,30 @@ def export_folder(path: Path, fmt: FolderFormat, out: Path | None = None, force:
         remove_tree(tmp)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return Exported(ckpt, out, state.step, tensors, size)
+
+
+def refuse_inside_checkpoint(out: Path) -> None:
+    """Refuse an output inside a checkpoint (a file its manifest does not list fails verification, and the run no
+    longer resumes from it) or inside a run's checkpoints/ folder (trainmesh's to manage: a folder there named
+    like a checkpoint is taken for one)."""
+    real = out.resolve()  # where the files would land, through any symlink
+    for folder in (real, *real.parents):
+        # A checkpoint's own marks: a stray .metadata (DCP's name) alone, in a home folder say, is not one.
+        dcp = (folder / ".metadata").is_file() and (folder / CHECKPOINT_MANIFEST).is_file()
+        if (folder / TRAINER_STATE).is_file() or dcp:
+            run = folder.parent.parent if folder.parent.name == CHECKPOINT_DIR else folder.parent
+            why = "a file added to a checkpoint makes it fail verification (its manifest lists every file it holds)"
+            where = f"the checkpoint {folder}"
+        elif folder.name == CHECKPOINT_DIR and list_checkpoints(folder.parent):
+            run = folder.parent
+            why = "trainmesh manages that folder (it takes a folder there named like a checkpoint for one)"
+            where = f"the run's checkpoints folder {folder}"
+        else:
+            continue
+        raise ExportUsageError(
+            f"-o {out} is inside {where}: {why}. Fix: -o outside {CHECKPOINT_DIR}/, e.g. "
+            f"-o {run / EXPORT_DIR / out.name}, or no -o (the default is under {run / EXPORT_DIR}/)."
+        )
 
 
 def standalone_tensors(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -243,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="export: the .safetensors file to write (default: <run>/export/model_step_XXXXXXXX.safetensors), or "
         "with --format hf the folder (default: <run>/export/hf_step_XXXXXXXX)",
     )
-    ckpt.add_argument("--force", action="store_true", help="export: replace an existing output file or folder")
+    ckpt.add_argument(
+        "--force",
+        action="store_true",
+        help="export: replace an existing output file, or a folder an earlier export wrote",
+    )
     ckpt.add_argument(
         "--format",
         choices=["safetensors", "hf"],

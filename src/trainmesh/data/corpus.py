@@ -13,10 +13,14 @@ streamed, in parallel processes for large inputs, every k-th block of 65,536 tok
 The cache folder is keyed by a hash of the inputs and committed by an atomic rename, so concurrent builders
 (one per node) cannot leave a half-written cache behind.
 
-Shards are checked before training: an empty or odd-sized one is refused naming the file, and
-`check_token_range` refuses token ids outside the model's vocabulary once, at the start (on a GPU such an
-id is a device-side assert in the embedding, far from its cause). The range of ids of each shard is cached
-beside the tokenised corpora, keyed by the shard's path, size and modification time.
+Shards are checked before training, in two parts. `shard_corpus` does the cheap part (`trainmesh check` runs
+it too): the manifest's shards must be files inside the folder whose headers agree with their sizes and the
+manifest's token counts, and every other shard must read as one. `check_token_range`, once per node at the
+start, reads every shard whole: it refuses token ids outside the model's vocabulary (on a GPU such an id is a
+device-side assert in the embedding, far from its cause) and a prepared shard whose SHA-256 is not its
+manifest's. What a scan found is cached beside the tokenised corpora, keyed by the file's identity and status
+change time as well as its size and mtime: `cp -p` and `rsync -t` restore an mtime, but nothing restores a
+ctime, so a shard rewritten in any way is read again.
 """
 
 from __future__ import annotations
@@ -27,21 +31,28 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from dataclasses import dataclass
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmesh.core.files import replace_folder
 from trainmesh.core.logging import get_logger
-from trainmesh.data.encode import available_cpus
-from trainmesh.data.manifest import Manifest, read_manifest
+from trainmesh.core.machine import available_cpus
+from trainmesh.data.manifest import MANIFEST, Manifest, read_manifest, shard_path
 from trainmesh.data.prepare import build
-from trainmesh.data.shards import BadShardError, llmc_token_count, load_tokens
+from trainmesh.data.shards import HEADER_BYTES, BadShardError, llmc_token_count, load_tokens
 from trainmesh.data.sources import text_source
 from trainmesh.data.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
 PARALLEL_BYTES = 64 << 20  # less text is tokenised faster in this process than by starting workers
+SCAN_TOKENS = 1 << 22  # 8 MiB a chunk: hashed, then scanned while it is still in the CPU's caches
+SCAN_THREADS = 8  # shards read at once: enough to keep a disk busy, not a storm on a network file system
+RACY_NS = 2_000_000_000
+"""A file changed this recently may change again within the same ctime tick after it was read: not cached (as
+git treats a "racily clean" index entry)."""
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 __all__ = ["BadShardError", "TokenCorpus", "check_token_range", "embedded_files", "load_tokens", "shard_corpus"]
 
@@ -55,6 +66,8 @@ class TokenCorpus:
     vocab_size: int
     """From the tokenizer (or a prepared folder's manifest); 0 for shards from elsewhere (model.vocab_size must
     then be set)."""
+    sha256: dict[Path, str] = field(default_factory=dict)
+    """Each shard's SHA-256 as a prepared folder's manifest records it; empty for shards from elsewhere."""
 
 
 def default_cache_dir() -> Path:
@@ -94,6 +107,8 @@ def shard_corpus(folder: Path) -> TokenCorpus:
             f"data.source={str(folder)!r}: a shard folder needs *train*.bin|.npy and *val*.bin|.npy files; "
             f"found {[p.name for p in shards] or 'none'}. Fix: --data.source=<a folder with both, or a text file>."
         )
+    for path in (*train, *val):
+        load_tokens(path)  # its header and size (a memory map: only the header is read)
     return TokenCorpus(train, val, vocab_size=0)  # unknown: shards carry no tokenizer, the config says
 
 
@@ -107,30 +122,47 @@ def text_corpus(files: list[Path], tokenizer: Tokenizer, val_fraction: float, ca
 
 
 def _prepared_corpus(folder: Path, manifest: Manifest) -> TokenCorpus:
-    """The shards a manifest lists, each checked to be there in full (a header and size that agree with it)."""
+    """The shards a manifest lists, each checked to be a file of the folder, there in full (a header and size
+    that agree with the manifest), and listed once."""
+    seen: set[Path] = set()
     for info in (*manifest.train.shards, *manifest.val.shards):
-        path = folder / info.file
+        path = shard_path(folder, info.file)
         if not path.is_file():
             raise BadShardError(
-                f"token shard {path}, which {folder / 'manifest.json'} lists, is missing: the folder was copied "
+                f"token shard {path}, which {folder / MANIFEST} lists, is missing: the folder was copied "
                 "in part. Fix: copy it whole, or prepare it again (trainmesh data prepare)."
             )
+        real = path.resolve()
+        if real in seen:  # it would train twice, or be validated on while trained on
+            raise BadShardError(
+                f"{folder / MANIFEST} lists token shard {path} twice (by name or through a symlink). "
+                "Fix: prepare the folder again (trainmesh data prepare)."
+            )
+        seen.add(real)
         count = llmc_token_count(path)
         if count != info.tokens:
             raise BadShardError(
                 f"token shard {path} holds {'no llm.c header' if count is None else f'{count:,} tokens'}, but "
-                f"{folder / 'manifest.json'} says {info.tokens:,} tokens: corrupted, or replaced. "
+                f"{folder / MANIFEST} says {info.tokens:,} tokens: corrupted, or replaced. "
                 "Fix: prepare the folder again (trainmesh data prepare)."
             )
     train = tuple(folder / s.file for s in manifest.train.shards)
     val = tuple(folder / s.file for s in manifest.val.shards)
-    return TokenCorpus(train, val, manifest.tokenizer.vocab_size)
+    digests = {folder / s.file: s.sha256 for s in (*manifest.train.shards, *manifest.val.shards)}
+    return TokenCorpus(train, val, manifest.tokenizer.vocab_size, digests)
 
 
 def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> None:
-    """Refuse a corpus with a token id outside 0..`vocab_size`-1, naming the shard and the fix."""
-    for path in (*corpus.train, *corpus.val):
-        lowest, highest = _token_range(path, cache_dir)
+    """Refuse a corpus with a token id outside 0..`vocab_size`-1, or a prepared shard that is no longer the file
+    its manifest recorded, naming the shard and the fix. A shard not seen before is read whole, several at once
+    (hashing and numpy's min/max release the GIL); what it holds is then cached in `cache_dir`."""
+    shards = (*corpus.train, *corpus.val)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(shards), available_cpus(), SCAN_THREADS)))
+    try:
+        ranges = list(pool.map(lambda path: _token_range(path, corpus.sha256.get(path), cache_dir), shards))
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a refusal, the shards not yet read are not read
+    for path, (lowest, highest) in zip(shards, ranges, strict=True):
         if lowest < 0:
             raise BadShardError(f"token shard {path} holds a negative token id ({lowest}): not token ids")
         if highest >= vocab_size:
@@ -141,28 +173,53 @@ def check_token_range(corpus: TokenCorpus, vocab_size: int, cache_dir: Path) -> 
             )
 
 
-def _token_range(path: Path, cache_dir: Path) -> tuple[int, int]:
-    """The smallest and largest token id in a shard, read in chunks once and then cached."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    cached = cache_dir / "shard-stats" / f"{key}.json"
+def _token_range(path: Path, sha256: str | None, cache_dir: Path) -> tuple[int, int]:
+    """`_scan`'s result, from the cache when this very file was scanned before."""
+    before = path.stat()
+    identity = f"v2|{path.resolve()}|{sha256}|{before.st_dev}|{before.st_ino}|{before.st_size}"
+    changed = f"{before.st_mtime_ns}|{before.st_ctime_ns}"
+    cached = cache_dir / "shard-stats" / f"{hashlib.sha256(f'{identity}|{changed}'.encode()).hexdigest()[:32]}.json"
     try:
         record = json.loads(cached.read_text())
         return int(record["min_token"]), int(record["max_token"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    tokens = load_tokens(path)
-    step = 1 << 26
-    chunks = [tokens[i : i + step] for i in range(0, len(tokens), step)]
-    lowest, highest = min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"path": str(path), "min_token": lowest, "max_token": highest}))
-        tmp.replace(cached)
-    except OSError as e:  # a read-only cache costs a re-scan next time, nothing more
-        log.debug("could not cache the token range of %s: %s", path, e)
+    lowest, highest = _scan(path, sha256)
+    after = path.stat()
+    if (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns) and (
+        time.time_ns() - after.st_ctime_ns > RACY_NS
+    ):
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"path": str(path), "min_token": lowest, "max_token": highest}))
+            tmp.replace(cached)
+        except OSError as e:  # a read-only cache costs a scan next time, nothing more
+            log.debug("could not cache the token range of %s: %s", path, e)
     return lowest, highest
+
+
+def _scan(path: Path, sha256: str | None) -> tuple[int, int]:
+    """The smallest and largest token id in a shard. With `sha256` (the manifest's), the file is hashed in the
+    same pass and refused when it differs: a shard rewritten in place keeps its size and may keep its mtime."""
+    tokens = load_tokens(path)
+    digest = None
+    if sha256 is not None:
+        with path.open("rb") as f:  # a listed shard is llm.c's (its count matched): the header, then the tokens
+            digest = hashlib.sha256(f.read(HEADER_BYTES))
+    bounds = []  # load_tokens refuses an empty shard: one chunk at least
+    for start in range(0, len(tokens), SCAN_TOKENS):
+        chunk = tokens[start : start + SCAN_TOKENS]
+        if digest is not None:
+            digest.update(chunk.data)  # the bytes as on disk: the memory map is of the file
+        bounds.append((int(chunk.min()), int(chunk.max())))
+    if digest is not None and digest.hexdigest() != sha256:
+        raise BadShardError(
+            f"token shard {path} has SHA-256 {digest.hexdigest()}, but {path.parent / MANIFEST} says {sha256}: "
+            "corrupted, or replaced since trainmesh data prepare wrote it. Fix: copy the folder whole again, "
+            "or prepare it again (trainmesh data prepare)."
+        )
+    return min(low for low, _ in bounds), max(high for _, high in bounds)
 
 
 def _cache_key(files: list[Path], tokenizer: Tokenizer, val_fraction: float) -> str:

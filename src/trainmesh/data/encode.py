@@ -16,7 +16,6 @@ their training data; a tokenizer without one (byte) puts documents side by side,
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -53,13 +52,6 @@ class Encoded(NamedTuple):
     document_starts: np.ndarray
     """offsets into `tokens` where a document starts (at its separator)"""
     source_bytes: int
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def encode_pieces(pieces: Iterable[Piece], tokenizer: Tokenizer, workers: int) -> Iterator[Encoded]:

@@ -15,13 +15,15 @@ tokenises through `build` too (data/corpus.py).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -31,11 +33,19 @@ import numpy as np
 from tqdm import tqdm
 
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import remove_tree, replace_folder, write_atomically
+from trainmesh.core.files import (
+    FolderOwner,
+    check_replaceable,
+    remove_tree,
+    replace_folder,
+    warn_moved_aside,
+    write_atomically,
+)
 from trainmesh.core.logging import get_logger
+from trainmesh.core.machine import available_cpus
 from trainmesh.core.signals import signals_held
 from trainmesh.core.versions import package_version
-from trainmesh.data.encode import available_cpus, encode_pieces
+from trainmesh.data.encode import encode_pieces
 from trainmesh.data.manifest import (
     MANIFEST,
     Manifest,
@@ -57,6 +67,22 @@ UINT16_IDS = int(np.iinfo(np.uint16).max) + 1
 
 class PrepareError(UserError, ValueError):
     """Options or an output folder that `trainmesh data prepare` refuses."""
+
+
+class OutputFullError(OSError):
+    """A disk-full error from writing the shards or the manifest, told apart from one elsewhere (the worker
+    processes' semaphores in /dev/shm, say), which --out's disk is not to blame for."""
+
+
+PREPARED = FolderOwner(
+    command="trainmesh data prepare",
+    marker=MANIFEST,
+    written=prepared_files,  # its manifest.json and the shards that lists
+    error=PrepareError,
+    label="--out={path!r}",
+    other="another --out",
+)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -105,14 +131,15 @@ def prepare(options: PrepareOptions) -> Prepared:
     check_readers(sources)
     out = options.out
     existed = _check_out(out, list(options.inputs), sources, options.force)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(out.parent, out, parents=True, exist_ok=True)
     for left in sorted(out.parent.glob(f".{out.name}.partial-*")):  # not removed: its process may still run
         log.warning("%s was left by a prepare that was killed (or still runs); remove it once it is not", left)
+    warn_moved_aside(out)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     workers = options.workers or available_cpus()
     try:
         remove_tree(staging)  # a leftover of a killed prepare that had this pid
-        staging.mkdir()
+        _make_folder(staging, out)
         record = {
             "inputs": [str(p) for p in options.inputs],
             "tokenizer": options.tokenizer,
@@ -137,11 +164,63 @@ def prepare(options: PrepareOptions) -> Prepared:
             if stops:  # the data is complete and in place: stopping now would undo nothing
                 log.warning("%s arrived as %s was committed; it is complete", signal.Signals(stops[0]).name, out)
                 stops.clear()
-    except BaseException:  # Ctrl-C and SIGTERM (the cli's) included: no half-written folder stays behind
+    except BaseException as e:  # Ctrl-C and SIGTERM (the cli's) included: no half-written folder stays behind
         with signals_held():  # a second stop waits until the staging folder is gone
             shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise _disk_full(out, e) from None
         raise
     return Prepared(out, manifest)
+
+
+def _make_folder(folder: Path, out: Path, **options: bool) -> None:
+    try:
+        folder.mkdir(**options)
+    except OSError as e:  # no permission, a read-only file system, a file where a folder must be, a full disk
+        fix = (
+            "free space on that disk, or an --out on another"
+            if e.errno in DISK_FULL
+            else "an --out in a folder you may write to"
+        )
+        raise PrepareError(
+            f"--out={str(out)!r}: cannot create the folder {str(folder)!r} ({e.strerror}). Fix: {fix}."
+        ) from None
+
+
+def _disk_full(out: Path, error: OSError) -> PrepareError:
+    """The one-line error for a disk that filled up (or a quota reached): --out's while the shards or the manifest
+    were written (OutputFullError), else the one at the error's path (the workers' semaphores' errors name none)."""
+    if not isinstance(error, OutputFullError):
+        where, fix = repr(error.filename), "free space there"
+        if not error.filename:
+            where = "a path the error does not name (most likely /dev/shm, where the workers share memory)"
+            fix = "free space in /dev/shm, or --workers=1 (tokenise in this process)"
+        return PrepareError(
+            f"a disk is full ({error.strerror}) at {where}, not while prepare wrote to --out; the partial output "
+            f"was removed and nothing was written to --out. Fix: {fix}."
+        )
+    try:
+        free = f"{shutil.disk_usage(out.parent).free:,} bytes free there now"
+    except OSError:
+        free = "its free space unknown"
+    return PrepareError(
+        f"--out={str(out)!r}: the disk holding {str(out.parent)!r} is full ({error.strerror}; {free}) while prepare "
+        "wrote its shards; the partial output was removed and nothing was written to --out. Fix: free space there "
+        "(the shards take 2 bytes a token: about half the text's size with GPT-2's tokenizer, twice it with the "
+        "byte one; an earlier output replaced with --force stays until the new one is complete), or an --out on "
+        "another disk."
+    )
+
+
+@contextmanager
+def _writing() -> Iterator[None]:
+    """Marks a disk-full error raised inside, where the shards or the manifest are written, as OutputFullError."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        raise OutputFullError(e.errno, e.strerror, e.filename) from e
 
 
 def build(
@@ -172,11 +251,13 @@ def build(
     total = sum(s.bytes for s in described)
     with _bar(progress, total, "tokenising") as bar:
         for encoded in encode_pieces(pieces, tokenizer, workers):
-            split.feed(encoded.tokens, encoded.document_starts)
+            with _writing():
+                split.feed(encoded.tokens, encoded.document_starts)
             bar.update(encoded.source_bytes)
             bar.set_postfix_str(f"{split.tokens:,} tokens", refresh=False)
-    split.finish()
-    splits = {part: SplitInfo(split.documents[part], w.tokens, tuple(w.close())) for part, w in writers.items()}
+    with _writing():
+        split.finish()
+        splits = {part: SplitInfo(split.documents[part], w.tokens, tuple(w.close())) for part, w in writers.items()}
     manifest = Manifest(
         tokenizer=TokenizerInfo(tokenizer.name, tokenizer.vocab_size, tokenizer.eot),
         train=splits["train"],
@@ -187,7 +268,8 @@ def build(
     )
     # Last, and durably (the shards were fsynced as they were closed): a folder with a manifest is complete,
     # after a power loss too, once the caller's rename is.
-    write_atomically(folder / MANIFEST, manifest.to_json(), durable=True)
+    with _writing():
+        write_atomically(folder / MANIFEST, manifest.to_json(), durable=True)
     _log_summary(manifest, total, time.perf_counter() - started, workers)
     return manifest
 
@@ -223,38 +305,13 @@ def _check_out(out: Path, inputs: list[Path], sources: Sequence[Source], force: 
                 f"the input {str(given)!r} is inside --out={str(out)!r}, which prepare replaces. "
                 "Fix: an --out that holds none of the inputs."
             )
-    if out.exists():
-        _check_replaceable(out)
+    check_replaceable(out, PREPARED)  # an empty folder or an earlier prepare's output, with --force or without
     if out.is_dir() and any(out.iterdir()) and not force:
         raise PrepareError(
             f"--out={str(out)!r} exists and is not empty (an earlier prepare's output). Fix: --force to replace "
             "it (it is removed once the new data is complete), or another --out."
         )
     return out.exists()
-
-
-def _check_replaceable(out: Path) -> None:
-    """Refuse to replace an `out` that is neither empty nor an earlier prepare's output (its manifest.json and
-    the shards that lists, nothing else): --force must never remove a folder of the user's own files."""
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"--out={str(out)!r} is a file. Fix: name a folder (new, or empty).")
-    present = sorted(os.listdir(out)) if out.is_dir() else []
-    ours = prepared_files(out)
-    others = present if ours is None else [name for name in present if name not in ours]
-    if not others:
-        return
-    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-    what = (
-        f"is not the output of an earlier trainmesh data prepare (it has no {MANIFEST} of trainmesh's) and holds "
-        f"{shown}"
-        if ours is None
-        else f"holds files an earlier prepare did not write ({shown})"
-    )
-    raise PrepareError(
-        f"--out={str(out)!r} {what}, so it is not replaced, with --force or without: --force replaces only an "
-        f"empty folder or an earlier prepare's output. Fix: another --out, or remove {str(out)!r} yourself if "
-        "nothing in it is needed."
-    )
 
 
 def _refuse_symlink(out: Path) -> None:
@@ -267,12 +324,11 @@ def _refuse_symlink(out: Path) -> None:
 
 
 def _commit(staging: Path, out: Path, force: bool, existed: bool) -> None:
-    """Rename the complete staging folder to `out` (core/files.py `replace_folder`). `out` is looked at again
-    first: the run may have taken hours, and only what is there now may be replaced."""
+    """Rename the complete staging folder to `out` (core/files.py `replace_folder`). `out` is looked at again:
+    the run may have taken hours, and only what is there now may be replaced (with --force, `replace_folder`
+    checks it once moved aside, so a file written there at any moment is never deleted)."""
     _refuse_symlink(out)
-    if force:
-        _check_replaceable(out)
-    elif existed:  # an empty folder at the start, accepted without --force: taken only if still empty
+    if not force and existed:  # an empty folder at the start, accepted without --force: taken only if still empty
         try:
             out.rmdir()
         except FileNotFoundError:
@@ -284,7 +340,7 @@ def _commit(staging: Path, out: Path, force: bool, existed: bool) -> None:
                 "or --force to replace it."
             ) from None
     try:
-        replace_folder(staging, out, replace=force)
+        replace_folder(staging, out, replace=force, owner=PREPARED)
     except FileExistsError:
         raise PrepareError(
             f"--out={str(out)!r} appeared while prepare ran (another prepare to the same --out?); it is not replaced "

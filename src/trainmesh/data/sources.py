@@ -18,8 +18,11 @@ as text when the suffix is none of these:
 Text and JSON Lines files may be compressed: .gz, .bz2, .xz (read by the standard library as they stream).
 A JSON Lines line that is not an object with a string `--text-field` stops the run with an error naming
 file:line (blank lines are skipped): it is a wrong `--text-field` or a damaged file far more often than a
-document worth dropping, and a silent skip would change the data unseen. Parquet and dataset rows whose
-text is null stop it likewise, naming the row.
+document worth dropping, and a silent skip would change the data unseen; so do a line longer than
+`MAX_RECORD_BYTES` (read with that bound, never whole) and JSON nested too deeply for Python's parser. A lone
+UTF-16 surrogate in a JSON string, which UTF-8 cannot encode, becomes U+FFFD with a warning. Parquet and
+dataset rows whose text is null stop the run, naming the row; a saved dataset's Arrow data is validated in full
+once it is found (`check_readers`), and Parquet's as it is read (data/arrowfiles.py).
 """
 
 from __future__ import annotations
@@ -27,19 +30,24 @@ from __future__ import annotations
 import bz2
 import gzip
 import importlib
+import importlib.util
 import json
 import lzma
 import os
+import re
+import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from trainmesh.core.errors import UserError
+from trainmesh.core.files import JsonFileError, is_plain_name, read_json
 from trainmesh.core.logging import get_logger
+from trainmesh.data.arrowfiles import check_saved_dataset, validated
 from trainmesh.data.manifest import MANIFEST, prepared_files
 from trainmesh.data.textstream import Piece, text_pieces
 
@@ -52,6 +60,11 @@ OPENERS: dict[str, Any] = {".gz": gzip.GzipFile, ".bz2": bz2.BZ2File, ".xz": lzm
 NOT_READ = (".zst", ".zstd", ".lz4", ".7z", ".zip", ".tar")
 INSTALL_DATA = "pip install 'trainmesh[data]'"
 ROWS_PER_BATCH = 1024
+MAX_RECORD_BYTES = 64 << 20
+"""The longest JSON Lines line (its line end included) read as a record: a record is held whole, and its text
+several times over while it is decoded and tokenised (a 512 MiB line took 3.3 GB). Text files stream, any size."""
+MAX_JSON_BYTES = 16 << 20  # dataset_dict.json: a list of split names
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str from json.loads, only ever a lone one: a pair is decoded
 
 
 class SourceError(UserError, ValueError):
@@ -112,16 +125,21 @@ def text_source(path: Path) -> Source:
 
 
 def check_readers(sources: Sequence[Source]) -> None:
-    """Refuse before any work when a source needs a package that is not installed."""
-    needs = {"parquet": ("pyarrow.parquet", "pyarrow"), "hf": ("datasets", "datasets")}
+    """Refuse before any work when a source needs a package that is not installed (found, not imported yet:
+    `datasets` takes seconds to import), or is a saved dataset whose Arrow data is damaged (before `datasets`
+    reads a file of it: a damaged one crashed the process; and before hours of hashing and tokenising)."""
+    needs = {"parquet": "pyarrow", "hf": "datasets"}
     for source in sources:
-        if source.kind in needs:
-            module, package = needs[source.kind]
-            _require(module, package, source)
+        # A top-level name: finding `pyarrow.parquet` imports `pyarrow`, which raises when it is not installed.
+        if source.kind in needs and importlib.util.find_spec(needs[source.kind]) is None:
+            _not_installed(needs[source.kind], source)
+    for source in sources:
+        if source.kind == "hf":
+            check_saved_dataset(source.path)
 
 
 def read_pieces(source: Source, text_field: str) -> Iterator[Piece]:
-    """The documents of one source, in order, as pieces."""
+    """The documents of one source that `check_readers` accepted, in order, as pieces."""
     if source.kind == "text":
         with _open(source) as (raw, stream):
             yield from text_pieces(source.path, stream, position=raw.tell)
@@ -203,10 +221,7 @@ def _dataset_source(folder: Path) -> Source | None:
         return Source(folder, "hf")
     if not (folder / "dataset_dict.json").is_file():
         return None
-    try:
-        splits = list(json.loads((folder / "dataset_dict.json").read_text())["splits"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SourceError(f"{folder}/dataset_dict.json is not a saved DatasetDict's: {e}") from None
+    splits = _split_names(folder / "dataset_dict.json")
     if "train" in splits or len(splits) == 1:
         split = "train" if "train" in splits else splits[0]
         log.info("%s is a DatasetDict of splits %s: reading its %r split", folder, splits, split)
@@ -215,6 +230,21 @@ def _dataset_source(folder: Path) -> Source | None:
         f"{folder} is a saved DatasetDict with splits {splits} and no 'train' split; prepare reads one. "
         f"Fix: name the split's folder, e.g. {folder / splits[0]}."
     )
+
+
+def _split_names(path: Path) -> list[str]:
+    """The splits a DatasetDict's dataset_dict.json lists: each the name of a folder beside it, read as such (a
+    name like "../x" would read a folder outside the dataset)."""
+    fix = "Fix: save the dataset again (DatasetDict.save_to_disk), or name one split's folder itself."
+    try:
+        body = read_json(path, MAX_JSON_BYTES)
+    except JsonFileError as e:
+        raise SourceError(f"{e}, so {path.parent} is not a saved DatasetDict prepare reads. {fix}") from None
+    splits = body.get("splits") if isinstance(body, dict) else None
+    if not isinstance(splits, list) or not splits or not all(is_plain_name(split) for split in splits):
+        shown = "missing" if splits is None else str(splits)[:200]
+        raise SourceError(f'{path}: its "splits" is {shown}, not a list of the names of folders beside it. {fix}')
+    return splits
 
 
 def _refuse_duplicates(sources: list[Source]) -> None:
@@ -234,10 +264,14 @@ def _require(module: str, package: str, source: Source) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise SourceError(
-            f"reading {source.path} ({source.kind}) needs the Python package {package!r}, which is not "
-            f"installed. Fix: {INSTALL_DATA}."
-        ) from None
+        _not_installed(package, source)
+
+
+def _not_installed(package: str, source: Source) -> NoReturn:
+    raise SourceError(
+        f"reading {source.path} ({source.kind}) needs the Python package {package!r}, which is not installed. "
+        f"Fix: {INSTALL_DATA}."
+    )
 
 
 @contextmanager
@@ -258,14 +292,41 @@ def _open(source: Source) -> Iterator[tuple[IO[bytes], IO[bytes]]]:
 
 def _jsonl_pieces(source: Source, field: str) -> Iterator[Piece]:
     with _open(source) as (raw, stream):
-        done = 0
-        for number, line in enumerate(stream, start=1):
+        done, surrogates = 0, 0
+        for number, line in _lines(stream, source.path):
             if not line.strip():
                 continue
-            text = _json_text(line, field, f"{source.path}:{number}")
+            where = f"{source.path}:{number}"
+            text = _json_text(line, field, where)
+            if not text.isascii() and _SURROGATE.search(text):
+                surrogates += 1
+                if surrogates == 1:
+                    log.warning(
+                        "%s: %r holds a lone UTF-16 surrogate (half of a pair: text cut inside an emoji, say), which "
+                        "UTF-8 cannot encode; it becomes U+FFFD, here and in any later record of this file",
+                        where,
+                        field,
+                    )
+                text = _SURROGATE.sub("\ufffd", text)
             position = raw.tell()
             yield Piece(text, True, position - done)
             done = position
+    if surrogates > 1:
+        log.info("%s: %d records held lone surrogates, made U+FFFD", source.path, surrogates)
+
+
+def _lines(stream: IO[bytes], path: Path) -> Iterator[tuple[int, bytes]]:
+    """The stream's lines and their numbers, each read with a bound: a longer line is refused, never held."""
+    number = 0
+    while line := stream.readline(MAX_RECORD_BYTES + 1):
+        number += 1
+        if len(line) > MAX_RECORD_BYTES:
+            raise SourceError(
+                f"{path}:{number}: a JSON Lines record longer than {MAX_RECORD_BYTES:,} bytes, the most prepare reads "
+                "as one (it holds a record whole in memory, and its text several times over). Fix: split that "
+                "document into several records, or give its text as a .txt file (text files stream, any size)."
+            )
+        yield number, line
 
 
 def _json_text(line: bytes, field: str, where: str) -> str:
@@ -275,6 +336,11 @@ def _json_text(line: bytes, field: str, where: str) -> str:
         raise SourceError(
             f"{where}: not JSON ({e}). A JSON Lines file holds one JSON object per line. "
             "Fix: repair or remove that line."
+        ) from None
+    except RecursionError:  # Python's parser recurses once a level: 100,000 '[' exhaust it
+        raise SourceError(
+            f"{where}: JSON nested more deeply than Python's parser reads (about {sys.getrecursionlimit():,} "
+            "levels). A JSON Lines record is an object whose text field is a string. Fix: repair or remove that line."
         ) from None
     if not isinstance(record, dict):
         raise SourceError(f"{where}: a JSON {type(record).__name__}, not an object with a {field!r} field")
@@ -308,7 +374,8 @@ def _parquet_pieces(source: Source, field: str) -> Iterator[Piece]:
             "Fix: --text-field=<the column holding the text>."
         )
     size, rows = source.path.stat().st_size, max(1, table.metadata.num_rows)
-    batches = (b.column(0).to_pylist() for b in table.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]))
+    read = table.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field])
+    batches = (b.column(0).to_pylist() for b in validated(read, source.path))
     yield from _row_pieces(batches, field, str(source.path), size, rows)
 
 

@@ -44,7 +44,8 @@ from torch import nn
 
 from trainmesh.config import Config
 from trainmesh.config.schema import DistConfig, ParallelConfig
-from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, host_memory, save_calibration
+from trainmesh.core.machine import host_memory
+from trainmesh.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, save_calibration
 from trainmesh.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, PrecisionBytes
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec

@@ -11,8 +11,9 @@ import dataclasses
 
 import torch
 
+from trainmesh.core.machine import host_memory
 from trainmesh.job import Job
-from trainmesh.plan.cluster import PRESETS, Cluster, GiB, host_memory, size_unit
+from trainmesh.plan.cluster import PRESETS, Cluster, GiB, size_unit
 from trainmesh.plan.estimate import Estimate, PrecisionBytes, estimate_layout
 from trainmesh.plan.layouts import Candidate
 from trainmesh.plan.model import ModelSpec

@@ -6,10 +6,14 @@ Only a local folder is read, never the hub, and of it only `config.json` and `mo
 `pytorch_model.bin` can run code when loaded, so it is refused with the command that converts it. When the
 job is resolved (`complete_folder`, from the recipe's `complete_model`), config.json's shape fills in the
 model keys left unset (n_layer, n_head, n_embd, vocab_size: 0) and is checked against those that are set,
-and the file's tensor names and shapes are checked, so `trainmesh check` refuses a folder that does not fit
-before anything starts. `block_size` may be shorter than GPT-2's n_positions (the position embeddings are
-cut); a `vocab_size` larger than the file's pads the token embedding with rows equal to the mean of its
-rows (the tied head then gives each padded token the mean logit: small, and never a token of the data).
+and the file's tensor names, shapes and dtypes are checked, so `trainmesh check` refuses a folder that does not
+fit before anything starts. The parameter count config.json implies is checked first, from its numbers alone:
+each dimension at most 2**31, the file large enough to hold it (2 bytes a parameter at least), and its fp32
+weights (with `parallel.meta_init`: its largest tensor) must fit this machine's memory, so absurd dimensions are
+refused in seconds, not after gigabytes of per-layer tables.
+`block_size` may be shorter than GPT-2's n_positions (the position embeddings are cut); a `vocab_size` larger
+than the file's pads the token embedding with rows equal to the mean of its rows (the tied head then gives each
+padded token the mean logit: small, and never a token of the data).
 
 The tensors are read when the model is initialised (`HFWeights`, one at a time, by `init_gpt_weights`), so
 every layout gets them the same way as random weights: whole models, shards and pipeline stages.
@@ -26,17 +30,25 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from trainmesh.core.machine import host_memory
 from trainmesh.recipes.gpt.hf import HF_BUFFERS, HF_PREFIX, from_hf_tensor, gpt_names, hf_name, hf_problems, hf_shapes
 from trainmesh.recipes.gpt.model import GPTConfig
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 _SHAPE = ("n_layer", "n_head", "n_embd")
+_MAX_CONFIG_BYTES = 2**20  # GPT-2's config.json is under 1 KiB; a larger one is not a config, and is not read
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""The safetensors dtypes read (as the header names them): the float types save_pretrained writes. Anything else
+(I8, BOOL, ...) would be cast into the parameters silently, as wrong values."""
+_MIN_BYTES = 2  # per parameter, in the smallest of FLOAT_DTYPES
+_MAX_DIM = 2**31  # far above any real model; keeps the size arithmetic in floats' range (10**200 would overflow)
 
 
-def complete_folder(model: GPTConfig) -> GPTConfig:
+def complete_folder(model: GPTConfig, sharded: bool = False) -> GPTConfig:
     """`model` with its shape from model.init_from's config.json (ValueError naming the key to fix when the
-    folder cannot be read, does not hold GPT-2 weights trainmesh reads, or disagrees with a key set here)."""
+    folder cannot be read, does not hold GPT-2 weights trainmesh reads, or disagrees with a key set here).
+    `sharded`: parallel.meta_init, where a rank gives storage only to its share of the model."""
     folder = Path(model.init_from).expanduser()
     given = f"model.init_from={model.init_from!r}"
     if not folder.is_dir():
@@ -47,11 +59,9 @@ def complete_folder(model: GPTConfig) -> GPTConfig:
         )
     folder = folder.resolve()  # recorded absolute: every rank and a later --resume read the same folder
     _check_files(folder, given)
-    try:
-        config = json.loads((folder / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{given}: cannot read {folder / CONFIG}: {e}") from None
+    config = _read_config(folder / CONFIG, given)
     from_file = _shape_of(config, folder / CONFIG, given)
+    _check_size(from_file, folder, given, sharded)
     problems = hf_problems(config)
     if problems:
         raise ValueError(
@@ -88,6 +98,19 @@ def complete_folder(model: GPTConfig) -> GPTConfig:
     return completed
 
 
+def _read_config(path: Path, given: str) -> Any:
+    """config.json, decoded (ValueError naming the file when it is too large to be one, or not JSON)."""
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"{size} bytes; a GPT-2 config.json is under 1 KiB, and over 1 MiB is not read")
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise ValueError(
+            f"{given}: cannot read {path}: {e or type(e).__name__}. Fix: a folder saved by save_pretrained."
+        ) from None
+
+
 def _shape_of(config: Any, path: Path, given: str) -> dict[str, int]:
     """The model's shape in a config.json (ValueError naming the file and key when it is not one)."""
     fix = "Fix: a folder saved by transformers' save_pretrained."
@@ -98,8 +121,58 @@ def _shape_of(config: Any, path: Path, given: str) -> dict[str, int]:
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{given}: {path} has {key}={value!r}, not a positive whole number. {fix}")
+        if value > _MAX_DIM:
+            digits = len(str(value))
+            shown = str(value) if digits <= 20 else f"a {digits}-digit number"
+            raise ValueError(f"{given}: {path} has {key}={shown}; at most 2**31 is read. {fix}")
         shape[key] = value
     return shape
+
+
+def parameter_count(shape: Mapping[str, int]) -> int:
+    """The parameters of a GPT-2 of config.json's `shape` (the tied head counted once): per block, ln_1 and
+    ln_2 4C, c_attn 3C² + 3C, c_proj C² + C, c_fc 4C² + 4C, the MLP's c_proj 4C² + C."""
+    c = shape["n_embd"]
+    blocks = shape["n_layer"] * (12 * c * c + 13 * c)
+    return (shape["vocab_size"] + shape["n_positions"]) * c + blocks + 2 * c  # + ln_f
+
+
+def largest_tensor(shape: Mapping[str, int]) -> int:
+    """The elements of a GPT-2's largest tensor: the token or position embedding (V×C, P×C) or c_fc (C×4C)."""
+    return max(shape["vocab_size"], shape["n_positions"], 4 * shape["n_embd"]) * shape["n_embd"]
+
+
+def _check_size(shape: Mapping[str, int], folder: Path, given: str, sharded: bool) -> None:
+    """Refuse, from config.json's numbers alone, a model that its file cannot hold (2 bytes a parameter at least),
+    or that this machine's memory cannot take in fp32: the whole model, or with parallel.meta_init (each rank
+    holds its share) the largest tensor, which a rank reads whole. A config.json with absurd dimensions is refused
+    here, before anything of its size is built."""
+    params = parameter_count(shape)
+    dims = ", ".join(f"{key}={shape[key]}" for key in ("n_layer", "n_embd", "vocab_size", "n_positions"))
+    implied = f"{given}: {folder / CONFIG} has {dims}; they imply {params:,} parameters ({_bytes(4 * params)} in fp32)"
+    stored = (folder / WEIGHTS).stat().st_size
+    if params * _MIN_BYTES > stored:
+        raise ValueError(
+            f"{implied}, but {folder / WEIGHTS} holds {stored} bytes, too few for them even at {_MIN_BYTES} bytes "
+            "each. Fix: a config.json that describes its model.safetensors (both as save_pretrained wrote them)."
+        )
+    memory = host_memory()
+    if sharded and 4 * largest_tensor(shape) > memory:
+        raise ValueError(
+            f"{implied}, and its largest tensor alone takes {_bytes(4 * largest_tensor(shape))} in fp32, more than "
+            f"the {_bytes(memory)} of memory this machine has: even with parallel.meta_init, a rank reads each "
+            "tensor whole. Fix: a smaller model.init_from, or run where the memory is."
+        )
+    if not sharded and 4 * params > memory:
+        raise ValueError(
+            f"{implied}, more than the {_bytes(memory)} of memory this machine has: without parallel.meta_init a "
+            "rank holds the whole model in fp32. Fix: --parallel.meta_init=true (with fsdp, tp or pp: a rank then "
+            "holds its share and one whole tensor at a time), a smaller model.init_from, or run where the memory is."
+        )
+
+
+def _bytes(size: float) -> str:
+    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
 
 
 def _check_files(folder: Path, given: str) -> None:
@@ -122,21 +195,31 @@ def _check_files(folder: Path, given: str) -> None:
 
 
 def _check_tensors(folder: Path, model: GPTConfig, vocab_size: int, n_positions: int, given: str) -> None:
-    """The file holds GPT-2's tensors of config.json's shape, and nothing trainmesh would leave out."""
+    """The file holds GPT-2's tensors of config.json's shape, all floats, and nothing trainmesh would leave out
+    (all from the file's header: no tensor is read)."""
     expected = hf_shapes(model, vocab_size, n_positions)
     try:
         with safe_open(str(folder / WEIGHTS), framework="pt") as f:
-            found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            found = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
     except Exception as e:  # safetensors raises its own error types for a damaged header
         raise ValueError(f"{given}: {folder / WEIGHTS} is not a readable safetensors file: {e}") from None
-    bare = {name.removeprefix(HF_PREFIX): shape for name, shape in found.items() if not HF_BUFFERS.fullmatch(name)}
-    bare.pop("lm_head.weight", None)  # tied to wte (tie_word_embeddings, checked): transformers ignores it too
-    problems = [f"{name}: missing" for name in expected if name not in bare]
-    problems += [f"{name}: not a GPT-2 weight" for name in bare if name not in expected]
+    read = {name.removeprefix(HF_PREFIX): name for name in found if not HF_BUFFERS.fullmatch(name)}  # as stored
+    read.pop("lm_head.weight", None)  # tied to wte (tie_word_embeddings, checked): transformers ignores it too
+    not_float = [f"{name} is {found[name][1]}" for name in read.values() if found[name][1] not in FLOAT_DTYPES]
+    if not_float:
+        raise ValueError(
+            f"{given}: {folder / WEIGHTS}: {'; '.join(not_float[:3])}; weights are read as "
+            f"{', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]} only (another dtype would be cast into wrong "
+            "values). Fix: save the model's float weights (as GPT2LMHeadModel.save_pretrained does)."
+        )
+    shapes = {name: found[stored][0] for name, stored in read.items()}
+    problems = [f"{name}: missing" for name in expected if name not in shapes]
+    problems += [f"{name}: not a GPT-2 weight" for name in shapes if name not in expected]
     problems += [
-        f"{name}: {bare[name]}, config.json's shape needs {shape}"
+        f"{name}: {shapes[name]}, config.json's shape needs {shape}"
         for name, shape in expected.items()
-        if name in bare and bare[name] != shape
+        if name in shapes and shapes[name] != shape
     ]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

@@ -67,7 +67,7 @@ class GPTRecipe(Recipe):
         else:  # 0: unknown, shards without a manifest
             tokens = 0 if source.is_dir() else get_tokenizer(config.data.tokenizer).vocab_size
         if model.init_from:
-            model = complete_folder(model)
+            model = complete_folder(model, sharded=config.parallel.meta_init)
             if tokens > model.vocab_size:  # else found only once the data is tokenised, in every worker
                 raise ValueError(
                     f"data.tokenizer={config.data.tokenizer!r} has {tokens} tokens, more than model.vocab_size="
@@ -84,16 +84,32 @@ class GPTRecipe(Recipe):
             )
         return replace(model, vocab_size=tokens)
 
+    def check_data(self, config: Config) -> None:
+        """Also the cheap part of what training checks in a folder of shards (data/corpus.py `shard_corpus`: the
+        manifest, each shard's header, size and token count; not the full read), so that `trainmesh check`
+        fails a folder that cannot train, with the message training would give."""
+        source = Path(config.data.source).expanduser()
+        try:
+            super().check_data(config)
+            if config.data.source != "embedded" and source.is_dir():
+                shard_corpus(source)
+        except OSError as e:  # unreadable (no permission, removed meanwhile): a ValueError, as the config's error
+            raise BadShardError(
+                f"data.source={config.data.source!r}: cannot read {e.filename or source} ({e.strerror or e}). "
+                "Fix: make it readable to this user, or --data.source=<a folder you may read>."
+            ) from None
+
     def prepare(self, config: Config, runtime: Runtime) -> Datasets:
         model = config.model
         assert isinstance(model, GPTConfig)
         if not model.vocab_size:
             raise ValueError("model.vocab_size is 0: complete the config first (trainmesh.job.load_config does)")
-        # One process per node tokenises into the (node-local) cache and scans the shards; the others wait,
-        # then read the cache.
+        # One process per node tokenises into the (node-local) cache and reads every shard whole to check it
+        # (once a node is enough); the others wait, then take the shards from the cache.
         with runtime.local_main_first():
             corpus = _resolve_corpus(config)
-            check_token_range(corpus, model.vocab_size, _cache_dir(config))
+            if runtime.local_rank == 0:
+                check_token_range(corpus, model.vocab_size, _cache_dir(config))
         return Datasets(TokenWindows(corpus.train, model.block_size), TokenWindows(corpus.val, model.block_size))
 
     def build_model(self, config: Config, runtime: Runtime) -> nn.Module:

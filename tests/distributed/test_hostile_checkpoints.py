@@ -1,6 +1,6 @@
 """A checkpoint folder from elsewhere can run nothing and mislead nothing: forged pickles (DCP's metadata, a
-value inside a shard) are refused with their manifests recomputed to match, and a trainer state with
-impossible values or another run's step is set aside instead of being resumed."""
+rank's RNG file, a value inside a shard) are refused with their manifests recomputed to match, and a trainer
+state with impossible values or another run's step is set aside instead of being resumed."""
 
 from __future__ import annotations
 
@@ -111,6 +111,26 @@ def test_forged_metadata_runs_nothing_anywhere_and_resume_falls_back(
     assert (ckpt.parent / "step_00000006.corrupt").is_dir()
     assert all(torch.equal(result["params"][k], v) for k, v in reference_params.items())
     assert not marker.exists() and not (root / "forged.safetensors").exists()
+
+
+def test_a_forged_rng_file_runs_nothing_and_resume_falls_back(
+    root: Path, reference_params: dict[str, torch.Tensor], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """As forged metadata: judged when the checkpoint is chosen, not halfway through loading it (the model and
+    optimizer were loaded by then, and the run died)."""
+    marker = root / "rng-payload-ran"
+    ckpt = _copy(root, "forged-rng")
+    torch.save({"torch": Marker(marker)}, ckpt / "rng" / "rank_0.pt")
+    _rehash(ckpt)
+
+    assert main(["ckpt", "verify", str(ckpt)]) == 1
+    assert "rank_0.pt: refused, Weights only load failed" in capfd.readouterr().out
+    result = _resume(root, "forged-rng")
+    log = capfd.readouterr().err
+    assert "rank_0.pt: refused" in log and re.search(r"resumed from \S*step_00000003", log)
+    assert (ckpt.parent / "step_00000006.corrupt").is_dir()
+    assert all(torch.equal(result["params"][k], v) for k, v in reference_params.items())
+    assert not marker.exists()
 
 
 def test_forged_metadata_cannot_change_a_class_either(tmp_path: Path) -> None:

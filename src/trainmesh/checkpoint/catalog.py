@@ -7,7 +7,7 @@
     <run>/checkpoints/latest             the name of the newest committed checkpoint (a hint)
 
 Resuming picks, by the step they hold, the newest checkpoint that verifies against its manifest and
-whose trainer state and DCP metadata read safely; `latest` is only a hint, so a crash or a full disk
+whose trainer state, DCP metadata and RNG files read safely; `latest` is only a hint, so a crash or a full disk
 between a commit and the pointer's update loses nothing. A bad checkpoint is reported with the offending
 file and moved aside, and the previous one is tried (or the run aborts, with `checkpoint.on_corrupt=abort`).
 Only names this module creates are ever listed, renamed or deleted, symlinks are never followed, and
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainmesh.checkpoint.manifest import file_matches, verify
-from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_metadata
+from trainmesh.checkpoint.reader import RANK_DIR, UntrustedCheckpointError, read_metadata, read_rank_file
 from trainmesh.checkpoint.state import TRAINER_STATE, InvalidTrainerState, TrainerState
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import fsync_dir, make_dirs, read_bytes, write_atomically
@@ -145,14 +145,19 @@ def _tidy_and_list(run_dir: Path, on_corrupt: str) -> list[str]:
 
 def check_checkpoint(path: Path, runtime: Runtime | None = None) -> list[str]:
     """Why the checkpoint in `path` cannot be used (an empty list: it can). First its files against the
-    manifest (collective and spread over the ranks when `runtime` is given), then whether what they hold
-    reads as a trainmesh checkpoint: a valid trainer state for the step its name says, safe DCP metadata."""
+    manifest, then whether what they hold reads as a trainmesh checkpoint: a valid trainer state for the step
+    its name says, safe DCP metadata, and RNG files that load safely and hold RNG states. Collective when
+    `runtime` is given: the files are hashed, and the RNG files read, spread over the ranks."""
     problems = verify(path, runtime).problems
     if problems:
         return problems
-    if runtime is not None:  # every rank gets rank 0's verdict
-        return list(runtime.broadcast_object(_content_problems(path) if runtime.is_main_process else []))
-    return _content_problems(path)
+    if runtime is None:
+        return _content_problems(path) or _rank_file_problems(_rank_files(path))
+    problems = runtime.broadcast_object(_content_problems(path) if runtime.is_main_process else [])
+    if problems:  # every rank got rank 0's verdict
+        return list(problems)
+    mine = _rank_file_problems(_rank_files(path)[runtime.rank :: runtime.world_size])  # rank r: rank_r.pt first
+    return [problem for part in runtime.all_gather_object(mine) for problem in part]
 
 
 def _content_problems(path: Path) -> list[str]:
@@ -167,6 +172,23 @@ def _content_problems(path: Path) -> list[str]:
     if _COMMITTED.fullmatch(path.name) and state.step != step_of(path):
         return [f"{path}: holds step {state.step}, not the step its name says"]
     return []
+
+
+def _rank_files(path: Path) -> list[Path]:
+    """The RNG files of the checkpoint in `path`, in the order of their ranks (rank_2.pt before rank_10.pt)."""
+    return sorted((path / RANK_DIR).glob("rank_*.pt"), key=lambda p: (len(p.name), p.name))
+
+
+def _rank_file_problems(files: list[Path]) -> list[str]:
+    """Why these RNG files cannot be loaded at resume (each is checked as `load_checkpoint` reads it, but mapped:
+    verify has just read it whole to hash it, and load_checkpoint will read it again)."""
+    problems = []
+    for file in files:
+        try:
+            read_rank_file(file, mapped=True)
+        except UntrustedCheckpointError as e:
+            problems.append(str(e))
+    return problems
 
 
 def _set_aside_foreign(run_dir: Path, on_corrupt: str) -> None:

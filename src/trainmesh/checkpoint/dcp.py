@@ -16,7 +16,6 @@ DCP's own files are read through reader.py, so a checkpoint from elsewhere canno
 from __future__ import annotations
 
 import contextlib
-import pickle
 import random
 import warnings
 from collections.abc import Iterator
@@ -31,16 +30,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainmesh.checkpoint.reader import (
+    RANK_DIR,
     SafeLoadPlanner,
     SafeReader,
     UntrustedCheckpointError,
+    as_numpy_state,
+    as_python_state,
     read_metadata,
+    read_rank_file,
     saved_tensors,
     set_path,
 )
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.core.errors import UserError
-from trainmesh.core.files import open_file
 from trainmesh.core.logging import get_logger
 
 if TYPE_CHECKING:
@@ -62,16 +64,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     _load(loaded, path)
     runtime.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
     runtime.load_precision_state(state.precision)
-    rng_file = path / "rng" / f"rank_{runtime.rank}.pt"
+    rng_file = path / RANK_DIR / f"rank_{runtime.rank}.pt"
     if state.world_size == runtime.world_size and rng_file.is_file():
-        try:
-            with open_file(rng_file, "rb") as f:
-                rank_state = torch.load(f, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UntrustedCheckpointError(f"{rng_file}: refused, {str(e).splitlines()[0]}") from None
+        rank_state = read_rank_file(rng_file)  # checked already, when the checkpoint was chosen (catalog.py)
         _set_rng_state(rank_state)
-        strategy_state = rank_state.get("strategy") if isinstance(rank_state, dict) else None
-        runtime.load_rank_state(strategy_state if isinstance(strategy_state, dict) else {})
+        runtime.load_rank_state(rank_state.get("strategy", {}))
     else:
         log.warning(
             "checkpoint from world size %d: RNG streams (and a comm hook's per-rank state) restart afresh",
@@ -195,7 +192,5 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, py_state, py_gauss = state["python"]
-    random.setstate((version, tuple(int(x) for x in py_state.tolist()), py_gauss))
+    np.random.set_state(as_numpy_state(state["numpy"]))
+    random.setstate(as_python_state(state["python"]))

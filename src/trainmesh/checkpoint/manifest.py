@@ -141,7 +141,10 @@ def file_matches(folder: Path, name: str) -> bool:
 
 def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     """The manifest's entries, each checked: a relative name, a size, a SHA-256 (ValueError otherwise)."""
-    manifest = json.loads(read_bytes(folder / MANIFEST, _MAX_MANIFEST_BYTES))
+    try:
+        manifest = json.loads(read_bytes(folder / MANIFEST, _MAX_MANIFEST_BYTES))
+    except RecursionError:  # brackets nested deeper than Python's stack: garbled like any other non-manifest
+        raise ValueError("nested too deeply to be a manifest") from None
     if not (
         isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
     ):

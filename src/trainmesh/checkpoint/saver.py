@@ -46,6 +46,7 @@ from trainmesh.checkpoint.catalog import (
 )
 from trainmesh.checkpoint.dcp import find_cause, rng_state, single_process_quiet
 from trainmesh.checkpoint.manifest import PeerFailed, write_json_durably, write_manifest
+from trainmesh.checkpoint.reader import RANK_DIR
 from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import fsync_dir
@@ -145,7 +146,7 @@ class Checkpointer:
             staging.unlink()
         elif staging.exists():
             shutil.rmtree(staging)  # leftover of a crashed save of this step
-        (staging / "rng").mkdir(parents=True)
+        (staging / RANK_DIR).mkdir(parents=True)
 
     def wait(self) -> None:
         """Until the save in flight is committed (re-raising its error, on every rank alike)."""
@@ -178,7 +179,7 @@ class Checkpointer:
                     dcp.save(job.state_dict, checkpoint_id=str(job.staging))
             if job.written is not None:
                 job.written.result()
-            torch.save(job.rng, job.staging / "rng" / f"rank_{rt.rank}.pt")
+            torch.save(job.rng, job.staging / RANK_DIR / f"rank_{rt.rank}.pt")
             self.faults.inject(job.step, "checkpoint")  # test hook: fail before the commit
             if rt.is_main_process:
                 write_json_durably(job.staging / TRAINER_STATE, job.trainer_state)

@@ -28,6 +28,11 @@ EXIT_MEANINGS = {
 command line, not a trainmesh config), so they are reported as plain numbers."""
 
 
+_NOTICED_LATE_S = 1
+"""How much later than it died a rank killed by a signal may be dated: torch's agent notices it within its monitor
+interval (a fraction of a second) and dates it then, in whole seconds."""
+
+
 STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 """What a worker exits with when it stopped at a step boundary, with a checkpoint, on that signal."""
 
@@ -76,11 +81,11 @@ def report_stop(
 
 
 def report_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool) -> int:
-    """Name the rank that failed first (by time: the root cause; the others often follow from it), its error and
-    its log file, then the ranks that followed; the exit code for the CLI. `worker`: the ranks ran trainmesh's
+    """Name the rank that failed first (`first_failure`: the root cause; the others often follow from it), its error
+    and its log file, then the ranks that followed; the exit code for the CLI. `worker`: the ranks ran trainmesh's
     worker, whose exit codes mean what EXIT_MEANINGS says; a script's are its own. So the CLI exits 2 (fix the
     config or inputs) only when trainmesh's worker said so, and 1 for any other failed rank."""
-    first_rank, first = error.get_first_failure()
+    first_rank, first = first_failure(error)
     user_error = worker and first.exitcode == EXIT_USER_ERROR
     described = _describe(first.exitcode, first.signal_name(), worker)
     log.error("rank %d failed first: %s%s", first_rank, described, _log_of(first))
@@ -99,6 +104,27 @@ def report_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool)
             described = _describe(failure.exitcode, failure.signal_name(), worker)
             log.error("rank %d then: %s%s", rank, described, _log_of(failure))
     return EXIT_USER_ERROR if user_error else 1
+
+
+def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank that failed first, and its failure. Failures are dated in whole seconds: one with an error file (an
+    exception) when it was written, one without (a signal) when the agent noticed it, so a crash can be dated after
+    the peer it broke. Seen with trainmesh's workers after a peer's segfault: the peer's collective raises at once
+    ("Connection closed by peer") and it ends with exit code 1 and an error file, or, when the agent's SIGTERM
+    comes after that exception has left the loop (and its SIGTERM handler), killed by SIGTERM (-15); never 75 or
+    143, which need every rank alive to agree on a stop. So a rank ended by SIGTERM, how torch's agent stops the
+    ranks still running, comes after every other; a rank killed by another signal counts as dated a second early
+    (`_NOTICED_LATE_S`) and, at the same date, comes before an exit code."""
+    failures = error.failures
+
+    def order(rank: int) -> tuple[bool, int, bool]:
+        failure = failures[rank]
+        stopped = failure.exitcode == -signal.SIGTERM
+        crashed = failure.exitcode < 0 and not stopped
+        return stopped, failure.timestamp - (_NOTICED_LATE_S if crashed else 0), not crashed
+
+    rank = min(failures, key=order)
+    return rank, failures[rank]
 
 
 def _log_of(failure: ProcessFailure) -> str:

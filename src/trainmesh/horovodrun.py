@@ -71,6 +71,8 @@ _REFUSED_GROUPS = {
     ),
 }
 REFUSED = {flag: why for why, flags in _REFUSED_GROUPS.items() for flag in flags.split()}
+HOST = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9._:-]*")
+"""A host name or address as -H takes it (IPv6 too); anything else goes into printed commands, so is refused."""
 
 
 class HorovodrunError(UserError, ValueError):
@@ -118,7 +120,7 @@ def parse(argv: list[str]) -> HorovodrunArgs | None:
         raise HorovodrunError("-np N is required (the number of processes), as for horovodrun")
     if "hosts" in values and "hostfile" in values:
         raise HorovodrunError("-H/--hosts and --hostfile both given; give one of them")
-    hosts = _hosts(values["hosts"]) if "hosts" in values else ()
+    hosts = _hosts(values["hosts"], f"-H {values['hosts']}", _H_FORM) if "hosts" in values else ()
     hosts = _hostfile(Path(values["hostfile"])) if "hostfile" in values else hosts
     np = _positive(values["np"], "-np")
     if hosts and sum(slots for _, slots in hosts) < np:
@@ -135,14 +137,23 @@ def _positive(raw: str, flag: str) -> int:
     return int(raw)
 
 
-def _hosts(spec: str) -> tuple[tuple[str, int], ...]:
-    """-H host1:4,host2:4 (a host without :SLOTS has 1 slot, as in horovodrun)."""
+_H_FORM = "HOST:SLOTS[,HOST:SLOTS...] with the hosts' names or addresses, e.g. -H node1:4,node2:4"
+_HOSTFILE_FORM = "one 'HOST slots=N' per line with the hosts' names or addresses, e.g. node1 slots=4"
+
+
+def _hosts(spec: str, where: str, form: str) -> tuple[tuple[str, int], ...]:
+    """-H host1:4,host2:4 (a host without :SLOTS has 1 slot, as in horovodrun); `where`: the flag and its value,
+    `form`: what that flag takes, for messages (a host file's lines reach here as -H's items)."""
     hosts = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         host, _, slots = item.rpartition(":") if ":" in item else (item, "", "1")
-        hosts.append((host, _positive(slots, f"-H {item}: slots")))
+        if not HOST.fullmatch(host):
+            raise HorovodrunError(
+                f"{where}: {host!r} is not a host name (letters, digits and ._:- not starting with -). Fix: {form}"
+            )
+        hosts.append((host, _positive(slots, f"{where}: the slots of {host}")))
     if not hosts:
-        raise HorovodrunError(f"-H {spec!r}: expected HOST:SLOTS[,HOST:SLOTS...]")
+        raise HorovodrunError(f"{where}: no host. Fix: {form}")
     return tuple(hosts)
 
 
@@ -156,7 +167,7 @@ def _hostfile(path: Path) -> tuple[tuple[str, int], ...]:
         if line:
             match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
             items.append(f"{match.group(1)}:{match.group(2)}" if match else line)
-    return _hosts(",".join(items))
+    return _hosts(",".join(items), f"--hostfile {path}", _HOSTFILE_FORM)
 
 
 def _command(command: list[str]) -> tuple[tuple[str, ...], bool]:
@@ -216,16 +227,18 @@ def _per_node_commands(args: HorovodrunArgs, used: list[tuple[str, int]]) -> str
             f"{','.join(f'{h}:{min(counts)}' for h, _ in used)}), then run the command this prints on each host."
         )
     master = used[0][0]
-    timeout = f" --join-timeout {args.start_timeout}" if args.start_timeout else ""
-    port = DEFAULT_MASTER_PORT
+    timeout: list[str] = []
+    if args.start_timeout:
+        timeout = ["--join-timeout", str(args.start_timeout)]
+        if args.module:  # torchrun has no --join-timeout: its static rendezvous reads it from --rdzv-conf
+            timeout = [f"--rdzv-conf=timeout={args.start_timeout}"]
     lines = []
     for rank, (host, n) in enumerate(used):
-        flags = f"--nnodes {len(used)} --node-rank {rank} --master-addr {master} --master-port {port}{timeout}"
-        if args.module:
-            run = f"torchrun {flags} --nproc-per-node {n} -m {shlex.join(args.entry)}"
-        else:
-            run = f"trainmesh run {flags} --nproc-per-node {n} {shlex.join(args.entry)}"
-        lines.append(f"  on {host}: {run}")
+        words = ["torchrun"] if args.module else ["trainmesh", "run"]
+        words += ["--nnodes", str(len(used)), "--node-rank", str(rank), "--master-addr", master]
+        words += ["--master-port", str(DEFAULT_MASTER_PORT), *timeout]
+        words += ["--nproc-per-node", str(n), *(["-m"] if args.module else []), *args.entry]
+        lines.append(f"  on {host}: {shlex.join(words)}")  # every word quoted: the line is pasted into a shell
     return (
         f"{what}; trainmesh does not start processes on other machines (horovodrun does, over ssh). Run on each "
         f"host (any free port on {master} instead of {DEFAULT_MASTER_PORT}; under SLURM see docs/clusters.md):\n"

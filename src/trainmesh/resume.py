@@ -217,7 +217,7 @@ def _recorded_config(run_dir: Path, newest: tuple[Path, TrainerState] | None) ->
         return tomllib.loads(read_bytes(path, MAX_CONFIG_BYTES).decode()), path
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:  # a symlink, too large, not UTF-8, not TOML
+    except (OSError, ValueError, RecursionError) as e:  # a symlink, too large, not UTF-8, not TOML, nested deep
         log.warning("%s is unreadable (%s): using the config its newest checkpoint records", path, e)
     if newest is not None and newest[1].config:
         return newest[1].config, newest[0]

@@ -191,7 +191,7 @@ def _what_the_run_is(config_toml: str) -> dict[str, Any] | str:
     """A recorded config without what each launch decides for itself (whether it resumed)."""
     try:
         data = tomllib.loads(config_toml)
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         return config_toml  # unreadable: kept in the history if replaced
     data.get("checkpoint", {}).pop("resume", None)
     return data

@@ -36,6 +36,7 @@ def test_two_processes_train_like_one(tmp_path: Path) -> None:
     assert "B (2 processes): 2 process(es), ddp" in result.stdout
     assert report["equal"] is True and len(report["steps"]) == 4  # type: ignore[arg-type]
     assert report["execution_order"][:2] == ["wte.weight", "wpe.weight"]  # type: ignore[index]
+    assert report["widest_spread"]["spread"] > 0  # type: ignore[index]  # B again ran with its noise
 
 
 def test_ddp_and_fsdp_agree(tmp_path: Path) -> None:

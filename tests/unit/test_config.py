@@ -74,6 +74,18 @@ def test_missing_or_broken_file(tmp_path: Path) -> None:
     bad.write_text("[optim\nlr=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(bad)
+    bad.write_bytes(b"[optim]\nlr = 1e-3 # \xff\n")  # not UTF-8
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)
+
+
+def test_deeply_nested_toml_is_refused_in_one_line(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 100_000)
+    with pytest.raises(ConfigError, match="nests arrays or tables too deeply"):
+        load_toml(deep)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        parse_override("--optim.lr=" + "[" * 100_000)
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,60 @@ def test_the_cli_prints_help_and_exits_2_on_a_refused_flag(script: str, capsys: 
     assert "horovodrun flag --autotune is not supported" in capsys.readouterr().err
     assert main(["horovodrun", "-np", "2", "-H", "n1:1,n2:1", script]) == 2
     assert "on n2: trainmesh run --nnodes 2 --node-rank 1" in capsys.readouterr().err
+
+
+def test_printed_commands_quote_every_word(script: str, tmp_path: Path) -> None:
+    """The commands printed for several hosts are pasted into shells: each word stays one word and nothing in it
+    runs (a host name is checked at parse; quoting is the printer's own guard)."""
+    entry = (str(tmp_path / "my dir" / "train.py"), "--name", "it's $(id)")
+    args = HorovodrunArgs(2, (("n1 $(id)", 1), ("n2", 1)), 60, entry, module=False)
+    with pytest.raises(HorovodrunError) as e:
+        launch_options(args)
+    line = next(x for x in str(e.value).splitlines() if x.startswith("  on n2: "))
+    words = shlex.split(line.removeprefix("  on n2: "))
+    assert words[:4] == ["trainmesh", "run", "--nnodes", "2"] and words[-3:] == list(entry)
+    assert words[words.index("--master-addr") + 1] == "n1 $(id)" and words[words.index("--join-timeout") + 1] == "60"
+    module = HorovodrunArgs(2, (("n1", 1), ("n2", 1)), 60, ("pkg.train", "--lr", "0.1"), module=True)
+    with pytest.raises(HorovodrunError) as e:
+        launch_options(module)
+    expected = "--master-addr n1 --master-port 29500 --rdzv-conf=timeout=60 --nproc-per-node 1 -m pkg.train --lr 0.1"
+    assert f"  on n2: torchrun --nnodes 2 --node-rank 1 {expected}" in str(e.value)  # torchrun has no --join-timeout
+
+
+@pytest.mark.parametrize("hosts", ["a$(touch x):1,b:1", "a;b:2", "-oProxyCommand=x:1", "a b:1", "'a':1"])
+def test_host_names_that_are_not_host_names_are_refused(
+    script: str, hosts: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["horovodrun", "-np", "2", "-H", hosts, script]) == 2
+    err = capsys.readouterr().err
+    assert "is not a host name" in err and "letters, digits and ._:-" in err and "Traceback" not in err
+    assert "trainmesh run" not in err  # no command printed with it
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("-H", "a:1,b:x", "-H a:1,b:x: the slots of b 'x': expected a whole number >= 1"),
+        ("--hostfile", "hosts", "--hostfile hosts: the slots of b '0': expected a whole number >= 1"),
+        ("--hostfile", "empty", "--hostfile empty: no host. Fix: one 'HOST slots=N' per line"),
+    ],
+)
+def test_a_bad_slot_count_names_the_flag_it_came_from(script: str, flag: str, value: str, message: str) -> None:
+    Path("hosts").write_text("a slots=1\nb slots=0\n")
+    Path("empty").write_text("# no hosts yet\n")
+    with pytest.raises(HorovodrunError) as error:
+        parse(["-np", "1", flag, value, script])
+    assert str(error.value).startswith(message), error.value
+
+
+def test_host_names_and_addresses_pass_and_a_host_file_is_checked_too(script: str) -> None:
+    Path("hosts").write_text("n1 slots=1\nn$(id) slots=1\n")
+    with pytest.raises(
+        HorovodrunError, match=r"--hostfile hosts: 'n\$\(id\)' is not a host name.* Fix: one 'HOST slots"
+    ):
+        parse(["-np", "2", "--hostfile", "hosts", script])
+    assert _parsed(["-np", "2", "-H", "gpu-01.cluster_a:1,10.0.0.2:1,::1:1", script]).hosts == (
+        ("gpu-01.cluster_a", 1),
+        ("10.0.0.2", 1),
+        ("::1", 1),
+    )

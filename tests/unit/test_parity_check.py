@@ -4,6 +4,7 @@ parameter come first, tolerances from the spread and the dtype) and every refusa
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,7 @@ def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) ->
         (["--parity", "--nproc-per-node", "1"], ["is one. Fix: --nproc-per-node 2 (or more)"]),
         (["--parity", "--parity-b", "parallel.strategy"], ["'parallel.strategy' is not an override"]),
         (["--parity", "--parity-b=train.max_steps=3"], ["the parity check sets train.max_steps itself"]),
+        (["--parity", "--parity-a", "optim.lr='0.1"], ['--parity-a="optim.lr=\'0.1" cannot be split', "No closing"]),
         (["--parity", "--parity-b=optim.lrr=1"], ["--parity-b: ", "Did you mean 'optim.lr'"]),
         (["--parity", "--parity-b=model.n_layer=3"], ["the sides differ in model.n_layer"]),
         (["--parity", "--parity-b=train.micro_batch=2"], ["different global batches", "--train.global_batch=N"]),
@@ -196,3 +198,25 @@ def test_bad_input_is_refused_before_anything_is_written(
     err = _refused(tmp_path, capsys, *flags)
     for text in said:
         assert text in err, err
+
+
+def test_b_again_is_nudged_so_the_check_measures_a_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The three runs trained in this process (one process each): B again must get its noise, else the spread is
+    0 and every tolerance falls to the floor (a CPU run repeated as it was is exact)."""
+    from trainmesh.cli import main
+    from trainmesh.parity import command
+    from trainmesh.worker import run_worker
+
+    def launch_here(opts: Any, jobs: Any, job: Any, run_dir: Path, launch_id: str) -> int:
+        run_worker(job.config, run_dir)  # the probe reads the environment the launch would pass on
+        return 0
+
+    monkeypatch.setattr(command, "launch_into", launch_here)
+    same = "--parity-a=optim.weight_decay=0.05", "--parity-b=optim.weight_decay=0.05"
+    args = ["check", "gpt", "--config", str(nano_toml(tmp_path)), "--parity", "--parity-steps", "2", *same]
+    assert main([*args, "--nproc-per-node", "1"]) == 0, capsys.readouterr().err[-3000:]
+    (report,) = (tmp_path / "runs").glob("gpt-parity-*/parity.json")
+    widest = json.loads(report.read_text())["widest_spread"]
+    assert widest is not None and widest["spread"] > 0, "B again did not move from B: it ran without its noise"

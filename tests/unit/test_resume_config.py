@@ -89,6 +89,8 @@ def test_the_checkpoint_is_compared_even_when_config_toml_was_edited_or_lost(tmp
         _resume(tmp_path)
     (run_dir / CONFIG_FILE).write_text("not [ toml")  # garbled: the checkpoint's record is the base
     assert _resume(tmp_path).config.model.n_embd == 48
+    (run_dir / CONFIG_FILE).write_text("a = " + "[" * 100_000)  # hostile: nested past the parser's stack
+    assert _resume(tmp_path).config.model.n_embd == 48
     (run_dir / CONFIG_FILE).unlink()
     assert _resume(tmp_path).config.model.n_embd == 48
 

@@ -95,6 +95,46 @@ def test_a_tracker_that_fails_to_start_costs_one_warning(tmp_path: Path, caplog:
     assert str(tmp_path / METRICS_FILE) in warning  # where the metrics are instead
 
 
+LEAKY_URL = "http://me:s3cret@mlflow.example.com:5000/api/2.0/runs/get?run_id=7&access_token=s3cret"
+
+
+class Leaky:
+    """A tracker whose errors quote its URL, credentials and all, as MLflow's do; `fail_in`: write or close."""
+
+    name = "leaky"
+
+    def __init__(self, fail_in: str) -> None:
+        self.fail_in = fail_in
+
+    def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:
+        self._fail("write")
+
+    def close(self, outcome: Outcome) -> None:
+        self._fail("close")
+
+    def _fail(self, where: str) -> None:
+        if where == self.fail_in:
+            raise ConnectionError(f"API request to {LEAKY_URL} failed with exception Max retries exceeded")
+
+
+def test_a_tracker_error_is_logged_without_the_credentials_of_its_url(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLFLOW_TRACKING_URI, unlike the config, may hold user info or a token, and MLflow's errors quote it."""
+
+    def refuse() -> Sink:
+        raise ConnectionError(f"API request to {LEAKY_URL} failed")
+
+    started = [Tracker("a", refuse), Tracker("b", lambda: Leaky("write")), Tracker("c", lambda: Leaky("close"))]
+    writer = MetricsWriter(tmp_path, tensorboard=False, trackers=started)
+    _write_steps(writer, range(1, 3))
+    writer.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings  # a: did not start, b: failed mid-run, c: could not close
+    assert all("http://mlflow.example.com:5000/api/2.0/runs/get?run_id=7 failed" in w for w in warnings), warnings
+    assert not [w for w in warnings if "s3cret" in w or "me:" in w], warnings
+
+
 def test_closing_twice_closes_once(tmp_path: Path) -> None:
     sink = Recorder()
     writer = MetricsWriter(tmp_path, tensorboard=False, trackers=[Tracker("r", lambda: sink)])

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 
+from support import nano_toml, refused_before_writing
 from trainmesh.config import ConfigError
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.log import LogConfig
 from trainmesh.config.schema import Config
+from trainmesh.job import load_config
 from trainmesh.metrics import trackers as trackers_module
 from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, Outcome, read_metrics
 from trainmesh.metrics.trackers import IDS_FILE, RUN_ID_TAG, check_installed, flatten, read_ids, trackers
@@ -225,10 +227,33 @@ def test_mlflow_at_a_bad_uri_or_failing_mid_run_costs_one_warning(
 
     real = MlflowClient.log_batch
     monkeypatch.setattr(MlflowClient, "log_batch", broken)
-    _train(tmp_path / "b", ("mlflow",), range(1, 5), mlflow_tracking_uri=mlflow_store)
+    caplog.set_level(logging.INFO, logger="trainmesh")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"{mlflow_store}?token=s3cret")  # the file store ignores the query
+    _train(tmp_path / "b", ("mlflow",), range(1, 5))
     (warning,) = _warnings(caplog)
     assert "the mlflow tracker failed and receives no further metrics" in warning and "No space left" in warning
     assert [r["step"] for r in read_metrics(tmp_path / "b" / METRICS_FILE)] == [1, 2, 3, 4, 4]
+    # The variable, unlike log.mlflow_tracking_uri, may hold a credential: the log names the server without it.
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("mlflow: run ") and m.endswith(f" at {mlflow_store}") for m in messages), messages
+    assert not [m for m in messages if "s3cret" in m]
+
+
+def test_mlflow_errors_are_logged_without_the_credentials_of_mlflow_tracking_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow's errors quote the tracking URL whole: a resume whose run cannot be fetched, then a start that fails
+    (nothing listens on port 9; no retries, so it fails at once)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://u:s3cret@127.0.0.1:9/?token=s3cret")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    (tmp_path / IDS_FILE).write_text(json.dumps({"mlflow": "0123abcd"}))
+    _train(tmp_path, ("mlflow",), range(1, 3), resumed=True)
+    resume, start = _warnings(caplog)
+    assert resume.startswith("mlflow: run 0123abcd of trackers.json is not there") and "127.0.0.1:9" in resume
+    assert "the mlflow tracker did not start" in start and "API request to http://127.0.0.1:9/" in start
+    assert not [m for m in (resume, start) if "s3cret" in m], (resume, start)
 
 
 # --- before launch ---------------------------------------------------------------------------------------------
@@ -250,5 +275,92 @@ def test_a_tracker_package_that_is_missing_is_refused_before_launch(monkeypatch:
 def test_trackers_json_holds_plain_ids_only(tmp_path: Path) -> None:
     (tmp_path / IDS_FILE).write_text(json.dumps({"wandb": "../../etc", "mlflow": "0123abcd", "other": "x"}))
     assert read_ids(tmp_path) == {"mlflow": "0123abcd"}
-    (tmp_path / IDS_FILE).write_text("not json")
-    assert read_ids(tmp_path) == {}
+    for hostile in ("not json", "[" * 5000):  # 5000 nested brackets: a RecursionError in json, at each resume
+        (tmp_path / IDS_FILE).write_text(hostile)
+        assert read_ids(tmp_path) == {}
+
+
+# --- credentials -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "found"),
+    [
+        ("--log.mlflow_tracking_uri=https://s3cret@mlflow.example.com/", "a user name or token"),
+        ("--log.mlflow_tracking_uri=https://me:s3cret@mlflow.example.com/", "a password (user:password@"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?token=s3cret", "parameter 'token'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/api?x=1&access_token=s3cret", "'access_token'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?API-KEY=s3cret", "'API-KEY'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?password=s3cret", "'password'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?client_secret=s3cret", "'client_secret'"),
+        ("--log.mlflow_tracking_uri=https://store.example.com/m?sv=1&sig=s3cret", "'sig'"),
+        ("--log.mlflow_tracking_uri=https://store.example.com/m?X-Amz-Signature=s3cret", "'X-Amz-Signature'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/#access_token=s3cret", "'access_token'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?%74oken=s3cret", "'token'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/api;token=s3cret", "'token'"),  # a path parameter
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?accessToken=s3cret", "'accessToken'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/?bearer=s3cret", "'bearer'"),
+        ("--log.run_name=run?jwt=s3cret", "'jwt'"),
+        ("--log.project=gpt#session=s3cret", "'session'"),
+        ("--log.run_name=https://s3cret@wandb.example.com/", "a user name or token"),
+        ("--log.project=gpt?api_key=s3cret", "'api_key'"),
+    ],
+)
+def test_a_credential_in_a_tracker_setting_is_refused_at_load(override: str, found: str) -> None:
+    """The config is written to config.toml, every checkpoint and the trackers: refused, never stripped, and the
+    message does not repeat the secret."""
+    key = override.removeprefix("--").partition("=")[0]
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override], "gpt")
+    message = str(error.value)
+    assert message.startswith(f"{key} holds ") and found in message, message
+    assert "s3cret" not in message and "\n" not in message
+    if key == "log.mlflow_tracking_uri":
+        assert "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN" in message
+    else:
+        assert "WANDB_API_KEY" in message and "MLFLOW_TRACKING_TOKEN" in message
+
+
+def test_the_cli_refuses_a_token_in_the_tracker_uri_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uri = "--log.mlflow_tracking_uri=https://s3cret@mlflow.example.com:5000/?experiment=2"
+    err = refused_before_writing(tmp_path, capsys, "run", "gpt", "--config", str(nano_toml(tmp_path)), "--", uri)
+    assert "Fix: --log.mlflow_tracking_uri=https://mlflow.example.com:5000/?experiment=2 and" in err
+    assert "s3cret" not in err
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "https://mlflow.example.com:5000/path?experiment=1;view=2#runs",
+        "http://10.0.0.7:5000",
+        "databricks",
+        "databricks://my-profile:prefix",
+        "file:/shared/mlruns",
+        "sqlite:///mlflow.db",
+        "postgresql://db.example.com/mlflow?sslmode=require",
+        "https://mlflow.example.com/?author=bob&keyword=gpt&tokens=1",  # secret names match as whole words
+    ],
+)
+def test_a_tracker_uri_without_credentials_is_kept_as_written(uri: str) -> None:
+    config = load_config(None, [f"--log.mlflow_tracking_uri={uri}", "--log.run_name=gpt #tokens=1B"], "gpt")
+    assert config.log.mlflow_tracking_uri == uri and config_to_dict(config)["log"]["mlflow_tracking_uri"] == uri
+    assert config.log.run_name == "gpt #tokens=1B"
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        ("mysql://mlflow@db.example.com/mlflow", "mysql://db.example.com/mlflow"),
+        ("postgresql+psycopg2://me:s3cret@db:5432/mlflow", "postgresql+psycopg2://db:5432/mlflow"),
+    ],
+)
+def test_a_database_store_with_its_login_in_the_uri_gets_a_fix_that_works_for_it(uri: str, shown: str) -> None:
+    """MLflow reads a database's login from the URI only, never from MLFLOW_TRACKING_USERNAME/PASSWORD."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"--log.mlflow_tracking_uri={uri}"], "gpt")
+    message = str(error.value)
+    assert "MLflow reads a database store's user and password from its URI only" in message, message
+    assert "in the MLFLOW_TRACKING_URI variable" in message and f"--log.mlflow_tracking_uri={shown} with" in message
+    assert "MLFLOW_TRACKING_USERNAME" not in message and "s3cret" not in message and "\n" not in message

@@ -37,6 +37,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word such as bf16-mixed or a path
+    except RecursionError:  # tomllib recurses once per '[' or '{'
+        raise ConfigError(f"override {text[:60]!r}...: its value is nested too deeply to be a setting") from None
     return key, value
 
 
@@ -47,8 +49,13 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per '[' or '{': 100,000 of them exhaust the stack
+        raise ConfigError(
+            f"config file {str(path)!r} nests arrays or tables too deeply to be a config. Fix: --config a trainmesh "
+            "config (see docs/configuration.md)."
+        ) from None
 
 
 def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

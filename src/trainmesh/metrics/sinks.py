@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from trainmesh.config.log import redact
 from trainmesh.core.files import make_dirs, open_file, write_atomically
 from trainmesh.core.logging import get_logger
 
@@ -175,7 +176,9 @@ class _Feeder:
 
 
 def _first_line(error: Exception) -> str:
-    text = str(error).strip()
+    """The start of an error's message, to log, without credentials: a tracker's errors quote its URL whole
+    (MLFLOW_TRACKING_URI may hold user info or a token); redacted before it is cut, so no cut hides a URL's end."""
+    text = redact(str(error)).strip()
     return text.splitlines()[0][:500] if text else ""
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.config.loader import ConfigError
-from trainmesh.config.log import TRACKERS, LogConfig
+from trainmesh.config.log import TRACKERS, LogConfig, redact, without_credentials
 from trainmesh.core.files import read_bytes, write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.metrics.sinks import Outcome, Sink, Tracker, scalars
@@ -87,7 +87,7 @@ def read_ids(run_dir: Path) -> dict[str, str]:
         return {}
     try:
         data = json.loads(read_bytes(path, 64 * 1024))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: a file of nested brackets
         log.warning("ignoring %s (%s): the trackers start new runs", path, e)
         return {}
     if not isinstance(data, dict):
@@ -166,7 +166,8 @@ class MlflowSink:
                 run = client.get_run(resume_id)
                 client.update_run(resume_id, status="RUNNING")
             except MlflowException as e:  # deleted, or another tracking URI than the first launch's
-                log.warning("mlflow: run %s of %s is not there (%s); starting a new one", resume_id, IDS_FILE, e)
+                why = redact(str(e))  # it may quote the tracking URI, credentials and all
+                log.warning("mlflow: run %s of %s is not there (%s); starting a new one", resume_id, IDS_FILE, why)
                 run = None
         if run is None:
             experiment = client.get_experiment_by_name(log_config.project)
@@ -183,7 +184,8 @@ class MlflowSink:
         for i in range(0, len(params), _MLFLOW_PARAMS_PER_CALL):
             client.log_batch(mlflow_id, params=params[i : i + _MLFLOW_PARAMS_PER_CALL])
         save_id(run_dir, cls.name, mlflow_id)
-        log.info("mlflow: run %s in experiment %s at %s", mlflow_id, log_config.project, client.tracking_uri)
+        where = without_credentials(client.tracking_uri)  # MLFLOW_TRACKING_URI, unlike the config, may hold some
+        log.info("mlflow: run %s in experiment %s at %s", mlflow_id, log_config.project, where)
         return cls(client, mlflow_id)
 
     def write(self, step: int, metrics: Mapping[str, float], kind: str) -> None:

@@ -107,7 +107,13 @@ def check_parity_flags(args: argparse.Namespace) -> None:
 
 def side_overrides(flag: str, text: str | None) -> list[str]:
     """--parity-a/-b's value: `section.key=value` items separated by spaces (a leading -- is optional)."""
-    items = [] if text is None else shlex.split(text)
+    try:
+        items = [] if text is None else shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise ParityError(
+            f"{flag}={text!r} cannot be split into overrides ({e}). Fix: close the quote, e.g. "
+            f"{flag}='optim.lr=0.1 parallel.strategy=fsdp'."
+        ) from None
     overrides = []
     for item in items:
         key, sep, _ = item.removeprefix("--").partition("=")

@@ -1,10 +1,9 @@
 """The step-time breakdown: every record says where its steps' time went on every rank, names the slowest
-rank, and a rank that stays slow is reported as a straggler."""
+rank, and a rank that stays slow is reported as a straggler (the clock itself: tests/unit/test_step_clock.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from torch.utils.data import Dataset
 
 from support import nano_config
 from trainmesh.config import Config
-from trainmesh.metrics.breakdown import PHASES, StepClock, describe
+from trainmesh.metrics.breakdown import PHASES
 from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
@@ -97,24 +96,3 @@ def test_every_record_has_the_breakdown_and_a_straggler_is_named(
     out = capfd.readouterr()
     assert "rank 1 is a straggler" in out.out + out.err
     assert "where the steps' time went on rank 0: data" in out.out + out.err
-
-
-def test_the_clock_counts_each_phase_until_the_next_mark() -> None:
-    clock = StepClock(torch.device("cpu"))
-    clock.mark("data")
-    time.sleep(0.02)
-    clock.mark("forward")
-    time.sleep(0.04)
-    clock.mark("eval")
-    time.sleep(0.01)
-    clock.mark("other")
-    taken = clock.take()
-    assert taken["data"] == pytest.approx(0.02, abs=0.015)
-    assert taken["forward"] == pytest.approx(0.04, abs=0.015)
-    assert taken["eval"] == pytest.approx(0.01, abs=0.015)
-    assert clock.take()["forward"] == 0  # reset; "other" goes on counting
-    assert re.fullmatch(
-        r"data 3\d% \| forward 6\d% \| sync 0% \| backward 0% \| comm 0% \| optimizer 0% \| other 0% "
-        r"of 0\.1 s of steps; besides: eval 0\.0 s",
-        describe(taken),
-    ), describe(taken)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
 
+from trainmesh.core.machine import host_memory
 from trainmesh.job import load_config
-from trainmesh.plan.calibrate import SIZES, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
-from trainmesh.plan.cluster import PRESETS, Cost, Link, get_cluster, load_calibration, save_calibration
+from trainmesh.plan.calibrate import SIZES, _cluster, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
+from trainmesh.plan.cluster import PRESETS, Link, get_cluster, load_calibration, save_calibration
 from trainmesh.plan.estimate import PrecisionBytes, pieces_in_flight
 from trainmesh.plan.layouts import Candidate, candidates
 from trainmesh.plan.model import ModelSpec
@@ -113,12 +115,42 @@ def test_bubble_is_p_minus_one_slots_of_m_plus_p_minus_one() -> None:
     assert est.time["bubble"] / (est.time["compute"] + est.time["bubble"]) == pytest.approx(1 / 5, rel=0.05)
 
 
-def test_calibration_fit_recovers_latency_and_bandwidth(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    truth = Cost(bandwidth=2e9, latency=50e-6)
-    seconds = [Link({"all_reduce": truth}).time("all_reduce", size, 2) for size in SIZES]
-    fitted = _fit("all_reduce", seconds)
-    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
-    assert fitted.latency == pytest.approx(truth.latency, rel=1e-6)
+@pytest.mark.parametrize(
+    ("kind", "share", "hops"),
+    [("all_reduce", 1, 2), ("all_gather", 1 / 2, 1), ("reduce_scatter", 1 / 2, 1), ("p2p", 1, 1)],
+)
+def test_calibration_fit_recovers_every_collectives_latency_and_bandwidth(kind: str, share: float, hops: int) -> None:
+    """Timed between 2 ranks: an all-reduce moves 2(n−1)/n = 1 of its buffer per rank in 2·log2 n = 2 latency steps;
+    an all-gather or reduce-scatter moves (n−1)/n = 1/2 of it in n − 1 = 1 step; a send all of it in 1."""
+    bandwidth, latency = 2e9, 50e-6
+    seconds = [hops * latency + share * size / bandwidth for size in SIZES]
+    fitted = _fit(kind, seconds)
+    assert fitted.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fitted.latency == pytest.approx(latency, rel=1e-6)
+
+
+def test_calibrated_figures_are_the_measurements_fitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory bandwidth is AdamW's and clipping's 32 bytes per parameter over the optimizer step's time; the
+    FLOP rate and fixed cost come from the two micro-batches, t = fixed + FLOPs / rate."""
+    config = _config("--train.micro_batch=8", "--train.precision=32-true")
+    params, flops_per_sequence = 28_032, 172_032 * 16  # the nano GPT: P, and Megatron's FLOPs per token × s
+    rate, fixed = 2e10, 0.004
+    compute = {
+        "forward_backward_s": {b: fixed + flops_per_sequence * b / rate for b in (8, 2)},
+        "forward_share": 0.3,
+        "optimizer_s": 0.002,
+        "rss_before_model": 3e8,
+    }
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    links = Link.uniform(1e9, 1e-5)
+    cluster = _cluster(config, "cpu", compute, links)
+    assert cluster.mem_bandwidth == pytest.approx(32 * params / 0.002)
+    assert cluster.peak_flops["fp32"] == pytest.approx(rate) and cluster.step_overhead == pytest.approx(fixed)
+    assert (cluster.forward_share, cluster.overhead, cluster.devices_per_node) == (0.3, 3e8, 4)
+    assert cluster.memory == host_memory() / 4 and cluster.intra == cluster.inter == links
+
+
+def test_calibration_files_read_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "cal.json"
     save_calibration(PRESETS["a100"], path)
     assert load_calibration(path) == PRESETS["a100"]

@@ -26,6 +26,7 @@ comm, where data parallelism makes every rank wait for the slowest: a straggler 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,8 +36,9 @@ COMPUTE = ("data", "forward", "optimizer", "other")  # the phases in which a ran
 
 
 class StepClock:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, now: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
+        self._now = now  # the host timer in seconds: a test gives its own, to drive the clock
         self._phase: str | None = None
         self._since: float = 0.0
         self._events: list[tuple[str, torch.cuda.Event]] = []  # CUDA: (phase that starts, its event)
@@ -49,7 +51,7 @@ class StepClock:
             event.record()
             self._events.append((phase, event))
             return
-        now = time.perf_counter()
+        now = self._now()
         if self._phase is not None:
             self._totals_s[self._phase] += now - self._since
         self._phase, self._since = phase, now

@@ -8,14 +8,17 @@ process spends before the model (CUDA context, NCCL and cuBLAS workspaces).
 
 Preset figures are vendors' dense peaks and typical NCCL bus bandwidths (sources in docs/plan.md); the
 achievable fraction of peak (`efficiency`) is an assumption until `trainmesh plan --calibrate` measures the
-machine at hand. A calibration is saved as JSON (`calibration_path`) and reused by `--cluster this`.
+machine at hand. A calibration is saved as JSON (`calibration_path`) and reused by `--cluster this`; that format
+also describes other clusters (`--cluster F.json`), and reading it checks every key's type and range.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,9 @@ from trainmesh.core.files import write_atomically
 
 GB, GiB = 1e9, 2**30
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+PEAK_DTYPES = ("bf16", "tf32", "fp32")
 MiB = 2**20
+MAX_RANKS = 1_000_000
 
 
 def size_unit(largest: float) -> tuple[str, float]:
@@ -138,28 +143,6 @@ class Cluster:
 
         return Link({kind: across(kind, cost) for kind, cost in self.inter.costs.items()})
 
-    def check(self) -> None:
-        """ValueError naming the first figure that cannot describe a machine."""
-        counts = {"nodes": self.nodes, "devices_per_node": self.devices_per_node}
-        for key, count in counts.items():
-            if not isinstance(count, int) or count < 1:
-                raise ValueError(f"{key}={count!r} must be a whole number >= 1")
-        positive: dict[str, object] = {"memory": self.memory, "efficiency": self.efficiency}
-        positive["mem_bandwidth"] = self.mem_bandwidth
-        positive |= {f"peak_flops.{dtype}": self.peak_flops.get(dtype) for dtype in ("bf16", "tf32", "fp32")}
-        for link_name, link in (("intra", self.intra), ("inter", self.inter)):
-            for kind in COLLECTIVES:
-                cost = link.costs.get(kind)
-                positive[f"{link_name}.{kind}.bandwidth"] = cost.bandwidth if isinstance(cost, Cost) else None
-        for key, value in positive.items():
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{key}={value!r} must be a number > 0")
-        fractions = {"efficiency": self.efficiency, "overlap": self.overlap, "tp_unsplit": self.tp_unsplit}
-        fractions |= {"forward_share": self.forward_share}
-        for key, value in fractions.items():
-            if not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise ValueError(f"{key}={value!r} must be between 0 and 1")
-
 
 def _gpu(
     name: str, memory: float, bf16: float, tf32: float, fp32: float, hbm: float, nvlink: float, ib: float
@@ -192,17 +175,6 @@ PRESETS: dict[str, Cluster] = {
 CLUSTERS = (*PRESETS, "this")
 
 
-def host_memory() -> float:
-    """Bytes of memory this machine has (Linux's MemTotal; elsewhere the physical pages)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def calibration_path() -> Path:
     """Where `plan --calibrate` saves this machine's figures unless --calibration names a file."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -221,24 +193,137 @@ def load_calibration(path: Path) -> Cluster:
             f"--cluster this needs a calibration of this machine, and {path} does not exist. "
             "Fix: run `trainmesh plan --calibrate` first (or name a preset: --cluster h100)."
         )
+    # Not just "calibrate afresh": the file may describe another cluster, by hand, that this machine cannot measure
+    fix = (
+        f"Fix: correct it in {path}, or, if the file is to describe this machine, measure it afresh (replacing the "
+        f"file): `trainmesh plan --calibrate --calibration {path}`."
+    )
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not isinstance(data.get("notes", []), list):
-            raise ValueError("expected a JSON object whose notes are a list")
-        data["intra"] = _link(data["intra"])
-        data["inter"] = _link(data["inter"])
-        data["host"] = Cost(**data["host"])
-        data["notes"] = tuple(str(note) for note in data.get("notes", []))
-        cluster = Cluster(**data)
-        cluster.check()
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        message = f"{path} is not a calibration trainmesh can read ({e}). Fix: `trainmesh plan --calibrate`."
-        raise ValueError(message) from None
-    return cluster
+    except RecursionError:  # json's parser recurses once per '[' or '{'
+        raise ValueError(f"{path} is not a calibration trainmesh can read: its JSON nests too deeply. {fix}") from None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise ValueError(f"{path} is not a calibration trainmesh can read: {e}. {fix}") from None
+    try:
+        return cluster_from_json(data)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a calibration trainmesh can read: {e}. {fix}") from None
 
 
-def _link(data: dict[str, Any]) -> Link:
-    return Link({kind: Cost(**cost) for kind, cost in data["costs"].items()})
+@dataclass(frozen=True)
+class _Rule:
+    """What one value of a cluster file may be: `allowed` in words; `read` gives the value the Cluster takes, or
+    None when the JSON value is not allowed."""
+
+    allowed: str
+    read: Callable[[object], object]
+
+
+def _number(allowed: str, ok: Callable[[float], bool]) -> _Rule:
+    """A JSON number (never a boolean, which Python counts as an int) for which `ok` holds, as a float."""
+
+    def read(value: object) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        try:
+            number = float(value)
+        except OverflowError:  # a JSON integer beyond any float
+            return None
+        return number if ok(number) else None
+
+    return _Rule(allowed, read)
+
+
+def _finite(low: float, high: float = math.inf, *, above_low: bool = False) -> Callable[[float], bool]:
+    return lambda x: math.isfinite(x) and (x > low if above_low else x >= low) and x <= high
+
+
+_BANDWIDTH = _number("bytes/s > 0 (Infinity: costs nothing)", lambda x: x > 0)  # NaN fails every comparison
+_LATENCY = _number("seconds >= 0", _finite(0))
+_FRACTION = _number("a number from 0 to 1", _finite(0, 1))
+_COST = {"bandwidth": _BANDWIDTH, "latency": _LATENCY}
+_LINK = {"costs": dict.fromkeys(COLLECTIVES, _COST)}
+_RANKS = _Rule(
+    f"a whole number from 1 to {MAX_RANKS:,}",
+    lambda x: x if type(x) is int and 1 <= x <= MAX_RANKS else None,  # type(): a boolean is no count
+)
+_TEXT = _Rule("a string", lambda x: x if isinstance(x, str) else None)
+# The JSON keys of a cluster file (asdict(Cluster)) and what each may be; a dict is a JSON object of its own.
+_SCHEMA: dict[str, Any] = {
+    "name": _TEXT,
+    "device": _Rule("'cuda' or 'cpu'", lambda x: x if x in ("cuda", "cpu") else None),
+    "memory": _number("bytes > 0", _finite(0, above_low=True)),
+    "devices_per_node": _RANKS,
+    "nodes": _RANKS,
+    "peak_flops": dict.fromkeys(PEAK_DTYPES, _number("FLOP/s >= 1", _finite(1))),
+    "efficiency": _number("a number above 0, at most 1", _finite(0, 1, above_low=True)),
+    "mem_bandwidth": _BANDWIDTH,
+    "intra": _LINK,
+    "inter": _LINK,
+    "host": _COST,
+    "host_bandwidth": _BANDWIDTH,
+    "overhead": _number("bytes >= 0", _finite(0)),
+    "overlap": _FRACTION,
+    "step_overhead": _LATENCY,
+    "forward_share": _FRACTION,
+    "busy_slowdown": _number("a factor >= 1", _finite(1)),
+    "fsdp_unit_overhead": _LATENCY,
+    "tp_unsplit": _FRACTION,
+    "calibrated": _TEXT,
+    "notes": _Rule(
+        "a list of strings", lambda x: tuple(x) if isinstance(x, list) and all(isinstance(n, str) for n in x) else None
+    ),
+}
+
+
+def cluster_from_json(data: object) -> Cluster:
+    """The Cluster a cluster file's JSON describes: every key known, every value of its type and in its range
+    (ValueError naming the first key that is not, with what it may be). The keys with a default in Cluster may
+    be left out."""
+    optional = {f.name for f in fields(Cluster) if f.default is not MISSING}
+    values = _read_object(data, _SCHEMA, "", optional)
+    links = {
+        key: Link({kind: Cost(**cost) for kind, cost in values[key]["costs"].items()}) for key in ("intra", "inter")
+    }
+    return Cluster(**{**values, **links, "host": Cost(**values["host"])})
+
+
+def _read_object(data: object, schema: dict[str, Any], where: str, optional: set[str]) -> dict[str, Any]:
+    """The values of a JSON object `data` read by `schema` (`where`: its key path, for messages)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where.rstrip('.') or 'the file'} must be a JSON object, not {_shown(data)}")
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        key = _shown(where + unknown[0])  # quoted: a key may hold any character, a newline too
+        raise ValueError(f"{key} is not a key trainmesh reads (keys here: {', '.join(schema)})")
+    values: dict[str, Any] = {}
+    for key, rule in schema.items():
+        name = where + key
+        if key not in data:
+            if key in optional:
+                continue
+            raise ValueError(f"{name} is missing ({_allowed(rule)})")
+        if isinstance(rule, dict):
+            values[key] = _read_object(data[key], rule, name + ".", set())
+            continue
+        value = rule.read(data[key])
+        if value is None:
+            raise ValueError(f"{name}={_shown(data[key])} must be {rule.allowed}")
+        values[key] = value
+    return values
+
+
+def _allowed(rule: _Rule | dict[str, Any]) -> str:
+    return f"an object with keys {', '.join(rule)}" if isinstance(rule, dict) else rule.allowed
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """`value` as JSON spells it (`true`, not True), cut short: the message stays one line whatever the file holds."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, ValueError):
+        return "a deeply nested value"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def cluster_problem(name: str) -> str | None:
@@ -253,17 +338,31 @@ def cluster_problem(name: str) -> str | None:
 
 
 def get_cluster(name: str, nodes: int, devices_per_node: int | None, calibration: Path | None = None) -> Cluster:
+    """The cluster --cluster=`name` names (`read_cluster`), for `nodes` nodes (`for_nodes`)."""
+    return for_nodes(read_cluster(name, calibration), nodes, devices_per_node)
+
+
+def read_cluster(name: str, calibration: Path | None = None) -> Cluster:
     """A preset (`a100`, `h100`, `h200`), `this` (the saved calibration) or a cluster described in a JSON file
-    (a calibration's format: `trainmesh plan --calibrate --calibration F.json` writes one to start from), for
-    `nodes` nodes."""
+    (a calibration's format: `trainmesh plan --calibrate --calibration F.json` writes one to start from)."""
     if name == "this":
-        cluster = load_calibration(calibration or calibration_path())
-    elif name in PRESETS:
-        cluster = PRESETS[name]
-    elif not cluster_problem(name):
-        cluster = load_calibration(Path(name))
-    else:
-        raise ValueError(cluster_problem(name))
+        return load_calibration(calibration or calibration_path())
+    if name in PRESETS:
+        return PRESETS[name]
+    problem = cluster_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return load_calibration(Path(name))
+
+
+def for_nodes(cluster: Cluster, nodes: int, devices_per_node: int | None) -> Cluster:
+    """`cluster` with `nodes` nodes (and `devices_per_node` devices each, if given), within the rank limit."""
     if nodes < 1 or (devices_per_node is not None and devices_per_node < 1):
         raise ValueError(f"--nodes={nodes} and --devices-per-node={devices_per_node} must be at least 1")
-    return cluster.with_nodes(nodes, devices_per_node)
+    sized = cluster.with_nodes(nodes, devices_per_node)
+    if sized.world_size > MAX_RANKS:  # a cluster file's devices_per_node is only known here
+        raise ValueError(
+            f"--nodes={nodes} × {sized.devices_per_node} devices per node = {sized.world_size:,} ranks: plan up to "
+            f"{MAX_RANKS:,}. Fix: fewer --nodes or --devices-per-node."
+        )
+    return sized

@@ -18,11 +18,20 @@ from typing import Any
 
 from trainmesh.config import Config, ConfigError
 from trainmesh.job import load_config
-from trainmesh.plan.cluster import Cluster, GiB, calibration_path, cluster_problem, get_cluster, size_unit
+from trainmesh.plan.cluster import (
+    MAX_RANKS,
+    Cluster,
+    GiB,
+    calibration_path,
+    cluster_problem,
+    for_nodes,
+    load_calibration,
+    read_cluster,
+    size_unit,
+)
 from trainmesh.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
 from trainmesh.plan.search import Workload, mfu, plan_layouts
 
-MAX_RANKS = 1_000_000
 EXIT_NOTHING_FITS = 3  # distinct from a user error (2) and from a crash (1)
 ASSUMPTIONS = (
     "memory: AdamW (two moments like each parameter, a 4-byte step per tensor); activations as autograd saves them "
@@ -58,8 +67,9 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
     """`trainmesh plan`: calibrate if asked, estimate every layout on the cluster, write --json; the text to show
     (the table and the command to run) and the exit code. Every input is checked before anything is measured."""
     check_plan_flags(args)
-    config = load_config(args.config, overrides, args.target)
     calibration = Path(args.calibration) if args.calibration else calibration_path()
+    described = read_cluster_file(args, calibration)
+    config = load_config(args.config, overrides, args.target)
     try:
         Workload.from_config(config, _config_global_batch(config, 1))  # a recipe the plan models, a whole batch
         if args.calibrate:
@@ -68,7 +78,8 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
             calibrate(config, calibration)
             if args.cluster != "this":
                 return f"calibration saved to {calibration}", 0
-        cluster = get_cluster(args.cluster, args.nodes, args.devices_per_node, calibration)
+        base = described or read_cluster(args.cluster, calibration)
+        cluster = for_nodes(base, args.nodes, args.devices_per_node)
         work = Workload.from_config(config, args.global_batch or _config_global_batch(config, cluster.world_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -90,6 +101,19 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
     if args.json:
         Path(args.json).expanduser().write_text(json.dumps(to_json(work, cluster, estimates), indent=2) + "\n")
     return "\n".join(lines), 0 if best is not None else EXIT_NOTHING_FITS
+
+
+def read_cluster_file(args: argparse.Namespace, calibration: Path) -> Cluster | None:
+    """The --cluster file, read once and before anything is measured, so that a bad one is refused at once
+    (ConfigError); None for a preset or `this`, and where --calibrate is to write that very file: measuring
+    afresh is how a broken calibration is replaced."""
+    path = Path(args.cluster)
+    if not args.cluster.endswith(".json") or (args.calibrate and path.resolve() == calibration.resolve()):
+        return None
+    try:
+        return load_calibration(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _config_global_batch(config: Config, world_size: int) -> int:

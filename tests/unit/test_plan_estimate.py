@@ -1,0 +1,144 @@
+"""`trainmesh plan`'s estimate held to its formulas, written out here with the numbers: what DDP's all-reduce hides
+behind, interleaved schedules' activations, CPU offload's copies, a middle pipeline stage's buffers, what activation
+checkpointing saves, and the order of the table (layouts that do not fit last).
+
+The model is the nano GPT (L = 2 blocks, a = 2 heads, h = 32, V = 64, s = 16 unless said) in 32-true, whose
+P = V·h + s·h + L·(12h² + 13h) + 2h = 2048 + 512 + 2·12_704 + 64 = 28_032 parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from trainmesh.job import load_config
+from trainmesh.plan.cluster import PRESETS, Cluster, Cost, Link
+from trainmesh.plan.estimate import PrecisionBytes, pieces_in_flight, stage_memory
+from trainmesh.plan.layouts import Candidate
+from trainmesh.plan.model import ModelSpec
+from trainmesh.plan.search import Workload, estimate, plan_layouts
+from trainmesh.recipes.gpt.model import GPTConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+FP32 = PrecisionBytes("32-true")
+P = 2048 + 512 + 2 * (12 * 32**2 + 13 * 32) + 2 * 32
+
+
+def _spec(n_layer: int = 2, n_head: int = 2, n_embd: int = 32, vocab_size: int = 64) -> ModelSpec:
+    return ModelSpec(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=16))
+
+
+def _cluster(**changes: object) -> Cluster:
+    """Round figures: 1 GFLOP/s in every dtype, links that cost nothing, no fixed overhead per process."""
+    free = Link.uniform(bandwidth=math.inf, latency=0.0)
+    base = dataclasses.replace(
+        PRESETS["h100"],
+        devices_per_node=8,
+        peak_flops=dict.fromkeys(("bf16", "tf32", "fp32"), 1e9),
+        efficiency=1.0,
+        intra=free,
+        inter=free,
+        overhead=0.0,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_the_nano_parameter_count() -> None:
+    assert _spec().n_params == P == 28_032
+
+
+def test_ddp_hides_its_all_reduce_behind_backward_only() -> None:
+    """DDP's buckets are ready only as backward produces them: the forward cannot hide any of the all-reduce. A wider
+    model (h = 1024, V = 1024, 8 heads) so that its fp32 gradients fill 5 buckets of 25 MiB (the last never hides)."""
+    h, vocab, layers, seq = 1024, 1024, 2, 16
+    spec = _spec(n_head=8, n_embd=h, vocab_size=vocab)
+    params = vocab * h + seq * h + layers * (12 * h * h + 13 * h) + 2 * h
+    assert spec.n_params == params == 26_259_456
+    flops_per_token = 72 * layers * h**2 * (1 + seq / (6 * h)) + 6 * h * vocab  # Megatron's count
+    compute = 8 * seq * flops_per_token / 1e9  # micro-batch 8 on each of 2 ranks, at 1 GFLOP/s
+    backward = compute * 2 / 3  # the cluster's forward_share: 1/3
+    bandwidth = 4e6
+    all_reduce = 2 * (2 - 1) / 2 * 4 * params / bandwidth  # ring: 2(n−1)/n of the fp32 gradients
+    assert all_reduce / 5 < all_reduce - compute < all_reduce - backward  # so that the wrong overlap shows
+
+    cluster = _cluster(devices_per_node=2, intra=Link.uniform(bandwidth, 0.0), overlap=1.0)
+    est = estimate(Workload(spec, FP32, 16, False), Candidate("ddp", 1, 1, 2, 1, 0, 8, 1), cluster)
+    assert est.time["compute"] == pytest.approx(compute)
+    assert est.time["comm"] == pytest.approx(all_reduce - backward)
+
+
+def test_interleaved_schedules_hold_narayanans_activations() -> None:
+    """Narayanan et al. (arXiv 2104.04473): with v stages per rank a rank holds p·(1 + (p − 1)/(p·v)) micro-batches'
+    activations, never more than there are."""
+    interleaved = Candidate("single", 4, 1, 1, 1, 0, 16, 16, schedule="interleaved_1f1b")  # v = 2
+    assert [pieces_in_flight(interleaved, s) for s in range(4)] == [4 * (1 + 3 / 8)] * 4 == [5.5] * 4
+    few = dataclasses.replace(interleaved, micro_batch=4, microbatches=4)
+    assert [pieces_in_flight(few, s) for s in range(4)] == [4] * 4
+
+    # the bytes: 4 blocks on 2 ranks, a piece of one sequence (T = 16 tokens); rank 0 holds blocks 0 and 1 and
+    # the token ids and positions; fp32 SDPA saves 4·T·(16h + 4 + a) per block
+    spec, tokens = _spec(n_layer=4), 16
+    cand = Candidate("single", 2, 1, 1, 1, 0, 8, 8, schedule="interleaved_1f1b")
+    per_piece = 2 * 4 * tokens * (16 * 32 + 4 + 2) + 8 * (tokens + 16)
+    assert per_piece == 66_560
+    memory, _ = stage_memory(spec, cand, FP32, _cluster(), 1, 0)
+    assert memory["activations"] == 2 * (1 + 1 / (2 * 2)) * per_piece == 166_400
+
+
+def test_cpu_offload_pays_its_host_copies() -> None:
+    """fsdp-offload over 2 ranks, 2 accumulation steps: each micro-step's gather brings the fp32 shard up (2 per
+    step) and the reduced gradients go down once: (2·2 + 1) copies of P/2 fp32 elements (every first dimension of
+    the nano GPT is even: the shard is exactly half). AdamW steps on the CPU: 32 bytes per element of the shard."""
+    host, host_memory = 1e6, 2e6
+    cluster = _cluster(devices_per_node=2, host=Cost(host, 0.0), host_bandwidth=host_memory)
+    work = Workload(_spec(), FP32, 16, False)  # 16 = 2 ranks × micro-batch 4 × 2 steps
+    est = estimate(work, Candidate("fsdp-offload", 1, 1, 1, 2, 0, 4, 1), cluster)
+    assert est.time["offload"] == pytest.approx((2 * 2 + 1) * (P / 2) * 4 / host) == pytest.approx(0.28032)
+    assert est.time["optimizer"] == pytest.approx(32 * (P / 2) / host_memory)
+
+
+def test_a_middle_pipeline_stage_holds_four_send_and_receive_buffers() -> None:
+    """3 stages of one block, pieces of one sequence: a piece's residual stream is s·h·4 = 2048 bytes. The first stage
+    sends activations and receives their gradients (2 buffers); a middle one receives and sends both ways (4); the
+    last receives and sends back (2), and holds the logits' fp32 gradient, s·V·4 bytes."""
+    spec, cand = _spec(n_layer=3), Candidate("single", 3, 1, 1, 1, 0, 6, 6)
+    stream = 16 * 32 * 4
+    temporaries = [stage_memory(spec, cand, FP32, _cluster(), 1, stage)[0]["temporaries"] for stage in range(3)]
+    assert temporaries == [2 * stream, 4 * stream, 2 * stream + 16 * 64 * 4] == [4096, 8192, 8192]
+
+
+def test_activation_checkpointing_keeps_each_blocks_input_only() -> None:
+    """Micro-batch 2 (T = 32 tokens), fp32, one stage. A block saves 4·T·(16h + 4 + a) bytes; checkpointed, its input
+    alone, 4·T·h, and its backward brings the rest back for a moment (a temporary, beside the logits' gradient).
+    Outside the blocks: 4·T·(V + 2h + 2) + 8·(2T + s) + 4."""
+    tokens, h, a, vocab = 32, 32, 2, 64
+    block, kept = 4 * tokens * (16 * h + 4 + a), 4 * tokens * h
+    outside = 4 * tokens * (vocab + 2 * h + 2) + 8 * (2 * tokens + 16) + 4
+    logits_grad = 4 * tokens * vocab
+    memory = {
+        every: stage_memory(_spec(), Candidate("single", 1, 1, 1, 1, every, 2, 1), FP32, _cluster(), 1, 0)[0]
+        for every in (0, 1)
+    }
+    assert memory[0]["activations"] == 2 * block + outside == 149_892
+    assert memory[1]["activations"] == 2 * kept + outside == 25_476
+    assert memory[0]["temporaries"] == logits_grad
+    assert memory[1]["temporaries"] == (block - kept) + logits_grad
+
+
+def test_layouts_that_do_not_fit_come_last_however_fast() -> None:
+    """500 kB per rank: ddp(2), the fastest layout, holds 16 bytes per parameter (P·16 = 448,512) plus its
+    activations, and does not fit; it must still come after every layout that does."""
+    config = load_config(
+        None,
+        ["--model.size=nano", "--model.vocab_size=64", "--model.block_size=16", "--train.precision=32-true"],
+        "gpt",
+    )
+    cluster = dataclasses.replace(PRESETS["h100"], devices_per_node=2, overhead=0.0, memory=500_000.0)
+    rows = plan_layouts(config, Workload.from_config(config, 2), cluster)
+    fits = [e for e in rows if e.fits]
+    too_big = [e for e in rows if not e.fits]
+    assert fits and too_big and min(e.step_time for e in too_big) < max(e.step_time for e in fits)  # what to sort
+    assert rows == fits + too_big
+    assert [e.step_time for e in fits] == sorted(e.step_time for e in fits)

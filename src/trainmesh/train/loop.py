@@ -184,6 +184,10 @@ def _run(
                 checkpoint = save()
             break
 
+    # Let the loader's workers go now: a frame kept alive by an exception's traceback (matplotlib's first import
+    # at the loss plot keeps some) would otherwise hold them until exit, which then waits forever on workers that
+    # ignore SIGTERM (data/workers.py).
+    del batches
     report(window.flush())  # the last window: its final step's loss, which no further step carries
     progress.close()
     if runtime.is_main_process:

@@ -47,9 +47,10 @@ def test_a_node_joins_one_is_lost_and_a_replacement_joins_and_the_pair_trains_on
     endpoint = f"127.0.0.1:{free_port()}"
     node = [str(BIN / "trainmesh"), "run", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "1"]
     node += ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic", "--max-restarts", "3"]
-    # A dead node's keep-alive lapses after 2 x 3 s (default 5 x 3), and a round that has its minimum
-    # waits 5 s for more nodes (default 30).
-    node += ["--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"]
+    # A dead node's keep-alive lapses after 3 missed beats 1 s apart (default 5 s apart), and a round that has
+    # its minimum waits 3 s for more nodes (default 30): the first node's start alone and the survivor's regrouping
+    # each wait that long. A node already waiting joins the next round within about 1 s (it polls every second).
+    node += ["--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"]
     node += ["--run-id", "elastic", "--", f"--train.max_steps={steps}", "--checkpoint.every=20"]
     node += ["--train.global_batch=8", "--run.log_every=1", "--checkpoint.final=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # a SIGKILLed launcher leaves files there

@@ -45,7 +45,11 @@ def _consumed(run_dir: Path, rank: int) -> dict[int, list[list[int]]]:
 
 
 def test_each_sample_is_consumed_exactly_as_uninterrupted_across_epochs(tmp_path: Path) -> None:
-    reference = _train(tmp_path, "reference")
+    # The uninterrupted reference in this process's ranks (the script's worker and config, without a launch's
+    # start-up); the run that loses a rank through `trainmesh run` with the script, restarted by torchrun.
+    nano_toml(tmp_path)  # written once, before the ranks read it
+    run_distributed(consumed_ids_rank, 2, args=(str(tmp_path), OVERRIDES, "reference"))
+    reference = tmp_path / "runs" / "reference"
     faulty = _train(tmp_path, "killed", fault="rank=1,step=6,kind=sigkill")  # after the checkpoint of step 4
 
     ref = {rank: _consumed(reference, rank) for rank in (0, 1)}
@@ -64,11 +68,11 @@ def test_each_sample_is_consumed_exactly_as_uninterrupted_across_epochs(tmp_path
         assert after == ref[rank][0][4:]  # resumed at step 4: the same batches, through the epoch boundaries
 
 
-def consumed_ids_rank(rank: int, root: str, overrides: list[str]) -> None:
+def consumed_ids_rank(rank: int, root: str, overrides: list[str], name: str = "regrouped") -> None:
     """scripts/consumed_ids.py's worker, in a rank of run_distributed."""
-    run_dir = Path(root) / "runs" / "regrouped"
+    run_dir = Path(root) / "runs" / name
     (run_dir / "consumed").mkdir(parents=True, exist_ok=True)
-    config = load_config(str(nano_toml(Path(root))), ["--train.micro_batch=4", *overrides], "gpt")
+    config = load_config(str(Path(root) / "nano.toml"), ["--train.micro_batch=4", *overrides], "gpt")  # nano_toml's
     run_worker(config, run_dir, recipe=IdLoggingRecipe(run_dir / "consumed"))
 
 
@@ -79,6 +83,7 @@ def test_a_resume_with_another_global_batch_repeats_and_skips_no_sample(
     processes and resumed on 1, the run continues at the 25th sample of the epoch (not at 3 × 4 = 12, which
     would re-read 12 samples), says so, and the first epoch still holds every sample exactly once."""
     run_dir = tmp_path / "runs" / "regrouped"
+    nano_toml(tmp_path)  # written once, before the ranks read it
     run_distributed(consumed_ids_rank, 2, args=(str(tmp_path), ["--train.max_steps=3", "--checkpoint.final=true"]))
     resumed = ["--train.max_steps=8", "--checkpoint.resume=true"]
     run_distributed(consumed_ids_rank, 1, args=(str(tmp_path), resumed))

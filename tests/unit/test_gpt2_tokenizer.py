@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import json
 import shutil
@@ -11,7 +12,15 @@ import numpy as np
 import pytest
 
 from trainmesh.data.corpus import embedded_files
-from trainmesh.data.gpt2 import EOT, VOCAB_SIZE, TokenizerFilesError, gpt2_vocab, mergeable_ranks
+from trainmesh.data.gpt2 import (
+    ENCODER_JSON_SHA256,
+    EOT,
+    VOCAB_BPE_SHA256,
+    VOCAB_SIZE,
+    TokenizerFilesError,
+    gpt2_vocab,
+    mergeable_ranks,
+)
 from trainmesh.data.tokenizer import get_tokenizer
 
 pytest.importorskip("tiktoken")
@@ -30,10 +39,13 @@ def gpt2():  # type: ignore[no-untyped-def]
         (" the", [262]),
         ("the", [1169]),
         ("GPT-2", [38, 11571, 12, 17]),
+        ("\n\n", [628]),
+        ("", []),
     ],
 )
 def test_known_strings_encode_to_gpt2_ids(gpt2, text: str, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
     assert gpt2.encode(text).tolist() == ids
+    assert gpt2.decode(ids) == text  # and GPT-2's ids decode back to the string
 
 
 def test_shape_of_the_vocabulary(gpt2) -> None:  # type: ignore[no-untyped-def]
@@ -45,6 +57,7 @@ def test_shape_of_the_vocabulary(gpt2) -> None:  # type: ignore[no-untyped-def]
 def test_end_of_text_in_the_data_is_ordinary_text(gpt2) -> None:  # type: ignore[no-untyped-def]
     """A document cannot forge a boundary: the literal string is spelled out, never the special id."""
     ids = gpt2.encode("a<|endoftext|>b").tolist()
+    assert ids == [64, 27, 91, 437, 1659, 5239, 91, 29, 65]  # a < | end of text | > b, as GPT-2 spells the text
     assert EOT not in ids
     assert gpt2.decode(ids) == "a<|endoftext|>b"
 
@@ -88,7 +101,11 @@ def test_modified_vocabulary_is_refused(tmp_path: Path) -> None:
     (tmp_path / "vocab.bpe").write_bytes(
         (folder / "vocab.bpe").read_bytes().replace("Ġt h".encode(), "Ġt x".encode(), 1)
     )
-    assert gpt2_vocab(folder)  # the installed ones pass
+    installed = gpt2_vocab(folder)  # the installed ones pass, read whole: the bytes whose SHA-256 was checked
+    assert installed.encoder_json == (folder / "encoder.json").read_bytes()
+    assert installed.vocab_bpe == (folder / "vocab.bpe").read_bytes()
+    assert hashlib.sha256(installed.vocab_bpe).hexdigest() == VOCAB_BPE_SHA256
+    assert hashlib.sha256(installed.encoder_json).hexdigest() == ENCODER_JSON_SHA256
     with pytest.raises(TokenizerFilesError, match=r"vocab\.bpe is not OpenAI's GPT-2 .*SHA-256.*Fix: reinstall"):
         gpt2_vocab(tmp_path)
 

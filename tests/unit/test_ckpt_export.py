@@ -115,6 +115,7 @@ def stub_checkpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
+    (ckpt / "manifest.json").write_text("{}")
     monkeypatch.setattr(export, "exportable_checkpoint", lambda path: ckpt)
     monkeypatch.setattr(export.TrainerState, "read", lambda folder: SimpleNamespace(step=4, config={}))
     monkeypatch.setattr(export, "read_full_state", lambda folder: {"model": {}})
@@ -164,7 +165,7 @@ def test_an_output_inside_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(
             export_folder(stub_checkpoint, _Weights(), out, force=True)
         with pytest.raises(ExportUsageError, match=message):
             export_checkpoint(stub_checkpoint, out, force=True)
-    assert sorted(p.name for p in stub_checkpoint.iterdir()) == ["trainer_state.json"]
+    assert sorted(p.name for p in stub_checkpoint.iterdir()) == ["manifest.json", "trainer_state.json"]
     export_folder(stub_checkpoint, _Weights(), tmp_path / "checkpoints" / "hf")  # a user's own folder of that name
     assert (tmp_path / "checkpoints" / "hf" / "weights.bin").read_bytes() == b"new"
 
@@ -177,6 +178,10 @@ def test_a_stray_metadata_file_above_the_output_is_no_checkpoint(stub_checkpoint
     (home / ".metadata").write_text("another program's")
     export_folder(stub_checkpoint, _Weights(), home / "exports" / "hf")
     assert (home / "exports" / "hf" / "weights.bin").read_bytes() == b"new"
+    trainer = tmp_path / "hf_out"  # Hugging Face Trainer's output_dir: a trainer_state.json of its own
+    (trainer / "checkpoint-500").mkdir(parents=True)
+    (trainer / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    export_folder(stub_checkpoint, _Weights(), trainer / "checkpoint-500" / "converted")
     (home / "manifest.json").write_text("{}")
     with pytest.raises(ExportUsageError, match=rf"-o {home}/exports/hf2 is inside the checkpoint {home}: "):
         export_folder(stub_checkpoint, _Weights(), home / "exports" / "hf2")

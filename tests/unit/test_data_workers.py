@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -9,7 +10,7 @@ import signal
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainmesh.data.workers import WorkerInit, worker_init
+from trainmesh.data.workers import Batches, WorkerInit, worker_init
 
 
 class _Report(Dataset[tuple[int, int, int]]):
@@ -42,3 +43,26 @@ def test_wrapping_twice_adds_nothing_and_it_pickles() -> None:
     once = worker_init(_own_init)
     assert worker_init(once) is once and isinstance(once, WorkerInit)
     assert pickle.loads(pickle.dumps(once)).then is _own_init
+
+
+def test_closing_the_batches_ends_the_workers_even_while_a_traceback_holds_them() -> None:
+    """An error's traceback keeps the frames that held the batches: `close` must end the workers regardless (the
+    exit would otherwise wait forever on workers that ignore SIGTERM)."""
+    loader = DataLoader(_Report(), batch_size=1, num_workers=1, worker_init_fn=worker_init())
+    batches = Batches(loader)
+    next(batches)
+    workers = multiprocessing.active_children()
+    assert workers
+
+    def fail() -> None:
+        held = batches  # a frame holding them, kept by the traceback below
+        raise RuntimeError(f"failed while holding {held}")
+
+    try:
+        fail()
+    except RuntimeError as e:
+        kept = e.__traceback__  # as sys.last_traceback or a logged exception keeps it
+        batches.close()
+        for worker in workers:
+            worker.join(timeout=10)
+        assert kept is not None and not any(w.is_alive() for w in workers)

@@ -43,6 +43,12 @@ def test_a_crash_comes_before_the_exception_it_caused_in_the_same_second(crashed
     assert first_failure(ChildFailedError("entry", failures))[0] == 1
 
 
+def test_an_abort_in_the_same_second_as_an_exception_is_not_taken_for_its_cause() -> None:
+    """NCCL's watchdog aborts a rank (SIGABRT) within a second of a peer's exception."""
+    failures = {0: failure(0, -signal.SIGABRT, 1001), 1: failure(1, 1, 1001)}
+    assert first_failure(ChildFailedError("entry", failures))[0] == 1
+
+
 def test_an_exception_more_than_a_second_before_a_crash_is_still_first() -> None:
     failures = {0: failure(0, -signal.SIGABRT, 1002), 1: failure(1, 1, 1000)}
     assert first_failure(ChildFailedError("entry", failures))[0] == 1

@@ -300,6 +300,7 @@ def test_trackers_json_holds_plain_ids_only(tmp_path: Path) -> None:
         ("--log.mlflow_tracking_uri=https://mlflow.example.com/api;token=s3cret", "'token'"),  # a path parameter
         ("--log.mlflow_tracking_uri=https://mlflow.example.com/?accessToken=s3cret", "'accessToken'"),
         ("--log.mlflow_tracking_uri=https://mlflow.example.com/?bearer=s3cret", "'bearer'"),
+        ("--log.mlflow_tracking_uri=https://mlflow.example.com/ui;jsessionid=s3cret", "'jsessionid'"),
         ("--log.run_name=run?jwt=s3cret", "'jwt'"),
         ("--log.project=gpt#session=s3cret", "'session'"),
         ("--log.run_name=https://s3cret@wandb.example.com/", "a user name or token"),

@@ -217,9 +217,10 @@ def refuse_inside_checkpoint(out: Path) -> None:
     like a checkpoint is taken for one)."""
     real = out.resolve()  # where the files would land, through any symlink
     for folder in (real, *real.parents):
-        # A checkpoint's own marks: a stray .metadata (DCP's name) alone, in a home folder say, is not one.
-        dcp = (folder / ".metadata").is_file() and (folder / CHECKPOINT_MANIFEST).is_file()
-        if (folder / TRAINER_STATE).is_file() or dcp:
+        # A checkpoint's own marks: its manifest beside DCP's .metadata or its trainer state. Either alone is not
+        # one: a stray .metadata in a home folder, or the trainer_state.json Hugging Face's Trainer writes.
+        marked = (folder / ".metadata").is_file() or (folder / TRAINER_STATE).is_file()
+        if marked and (folder / CHECKPOINT_MANIFEST).is_file():
             run = folder.parent.parent if folder.parent.name == CHECKPOINT_DIR else folder.parent
             why = "a file added to a checkpoint makes it fail verification (its manifest lists every file it holds)"
             where = f"the checkpoint {folder}"

@@ -25,7 +25,7 @@ _PATH_PARAMETER = re.compile(r";([^/;]*)")  # /path;token=x: a parameter of a pa
 _WORD_IN_TEXT = re.compile(r"[^\s'\"()<>]*[?#;][^\s'\"()<>]*")  # a word of a message that may hold parameters
 _SECRET_WORDS = frozenset(
     {"auth", "authorization", "apikey", "accesskey", "privatekey", "secretkey", "key", "sig", "signature"}
-    | {"credential", "credentials", "pwd", "pass", "bearer", "jwt", "session", "sessionid"}
+    | {"credential", "credentials", "pwd", "pass", "bearer", "jwt", "session", "sessionid", "jsessionid", "sessionkey"}
 )
 _SECRET_ENDINGS = ("token", "secret", "password", "passwd")
 """Parameter names that carry a credential, matched against each word of the name (split at -_. and between

@@ -4,14 +4,16 @@ A preemption's SIGTERM reaches every process of the job (SLURM signals the whole
 signals each worker's process group), DataLoader workers included. Left to the default handler, a worker dies
 and the rank fails ("DataLoader worker (pid ...) is killed by signal: Terminated") before it reaches the step
 boundary where it would save. So workers ignore SIGTERM and SIGINT: the training process stops at a step
-boundary and torch's loader ends its workers when the iterator goes away. Should the training process die, torch's
+boundary and torch's loader ends its workers when the iterator goes away, which `Batches.close` makes happen
+when training ends, however it ends. Should the training process die, torch's
 own watch in each worker ends it within 5 s (and a worker whose launcher died kills them first, core/orphans.py).
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 def ignore_stop_signals() -> None:
@@ -36,3 +38,19 @@ class WorkerInit:
 def worker_init(then: Callable[[int], None] | None = None) -> WorkerInit:
     """`then` wrapped so workers ignore the stop signals first; wrapping twice adds nothing."""
     return then if isinstance(then, WorkerInit) else WorkerInit(then)
+
+
+class Batches(Iterator[Any]):
+    """A loader's batches until `close`, which lets its worker processes go. The loader's own iterator lives as long
+    as anything holds it, and an error's traceback (or one matplotlib's first import keeps) holds every frame it
+    passed through to the end of the process, whose exit then waits forever on workers that ignore SIGTERM. Frames
+    hold this wrapper instead, and `close` drops the iterator inside it."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self._batches: Iterator[Any] = iter(loader)
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+    def close(self) -> None:
+        self._batches = iter(())

@@ -31,6 +31,9 @@ command line, not a trainmesh config), so they are reported as plain numbers."""
 _NOTICED_LATE_S = 1
 """How much later than it died a rank killed by a signal may be dated: torch's agent notices it within its monitor
 interval (a fraction of a second) and dates it then, in whole seconds."""
+_CRASHES = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGKILL})
+"""Signals a rank dies of on its own (a fault, or the kernel's out-of-memory killer). Not SIGABRT: NCCL's watchdog
+aborts a rank within a second of a peer's exception, so an abort is as often the consequence as the cause."""
 
 
 STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
@@ -113,15 +116,16 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
     ("Connection closed by peer") and it ends with exit code 1 and an error file, or, when the agent's SIGTERM
     comes after that exception has left the loop (and its SIGTERM handler), killed by SIGTERM (-15); never 75 or
     143, which need every rank alive to agree on a stop. So a rank ended by SIGTERM, how torch's agent stops the
-    ranks still running, comes after every other; a rank killed by another signal counts as dated a second early
-    (`_NOTICED_LATE_S`) and, at the same date, comes before an exit code."""
+    ranks still running, comes after every other; a rank that crashed (`_CRASHES`) counts as dated a second early
+    (`_NOTICED_LATE_S`) and, at the same date, comes before an exit code, which comes before another signal."""
     failures = error.failures
 
-    def order(rank: int) -> tuple[bool, int, bool]:
+    def order(rank: int) -> tuple[bool, int, int]:
         failure = failures[rank]
         stopped = failure.exitcode == -signal.SIGTERM
-        crashed = failure.exitcode < 0 and not stopped
-        return stopped, failure.timestamp - (_NOTICED_LATE_S if crashed else 0), not crashed
+        crashed = -failure.exitcode in _CRASHES
+        at_same_date = 0 if crashed else 1 if failure.exitcode > 0 else 2  # then an exit code, then other signals
+        return stopped, failure.timestamp - (_NOTICED_LATE_S if crashed else 0), at_same_date
 
     rank = min(failures, key=order)
     return rank, failures[rank]

@@ -35,6 +35,7 @@ from trainmesh.config.schema import Config, TrainConfig
 from trainmesh.core.batch import BatchPlan, loss_scale
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
+from trainmesh.data.workers import Batches
 from trainmesh.metrics.breakdown import describe
 from trainmesh.metrics.monitor import Monitor
 from trainmesh.metrics.profiler import StepProfiler
@@ -121,7 +122,7 @@ def _run(
     if runtime.is_main_process and state.step == 0:
         log.info("step 0: val loss %.4f", initial_val_loss)
     progress = ProgressBar(tcfg.max_steps, state.step, enabled=runtime.is_main_process and config.run.progress)
-    batches = iter(s.loader)
+    batches = Batches(s.loader)
     train_loss, skipped_in_a_row = math.nan, 0
     checkpoint: Path | None = None
     stop = 0  # the stop signal the ranks agreed on (PreemptionWatch.vote)
@@ -142,52 +143,51 @@ def _run(
         return path
 
     window.start = time.perf_counter()  # the initial evaluation and the loader's start are no step's time
-    for step in range(state.step, tcfg.max_steps):
-        lr = lr_at(step, config.optim, tcfg.max_steps)
-        set_lr(s.optimizer, lr)
-        try:
-            result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg, window.carry())
-            skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
-            if skipped_in_a_row > tcfg.max_skipped_steps:
-                raise NonFiniteError(
-                    f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}",
-                    result.reduce,
-                )
-        except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
-            report(window.abort(e.reduce))
-            raise
-        if not result.stepped:
-            runtime.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
-        state.step = step + 1
-        state.samples_seen += plan.global_batch
-        hooks.after_step(state.step)
-        with profiler.phase("log"):
-            report(window.add(result.reduce, result.loss, result.targets, result.stepped))  # the previous window's
-            if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or result.stop_votes:
-                window.close(state.step, lr, result.grad_norm)
-        profiler.step()
+    try:
+        for step in range(state.step, tcfg.max_steps):
+            lr = lr_at(step, config.optim, tcfg.max_steps)
+            set_lr(s.optimizer, lr)
+            try:
+                result = train_step(step + 1, s, batches, plan, recipe, runtime, hooks, profiler, tcfg, window.carry())
+                skipped_in_a_row = 0 if result.stepped else skipped_in_a_row + 1
+                if skipped_in_a_row > tcfg.max_skipped_steps:
+                    raise NonFiniteError(
+                        f"{skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step + 1}",
+                        result.reduce,
+                    )
+            except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
+                report(window.abort(e.reduce))
+                raise
+            if not result.stepped:
+                runtime.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
+            state.step = step + 1
+            state.samples_seen += plan.global_batch
+            hooks.after_step(state.step)
+            with profiler.phase("log"):
+                report(window.add(result.reduce, result.loss, result.targets, result.stepped))  # the previous window's
+                if state.step % config.run.log_every == 0 or state.step == tcfg.max_steps or result.stop_votes:
+                    window.close(state.step, lr, result.grad_norm)
+            profiler.step()
 
-        pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
-        if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
-            profiler.mark("eval")
-            val_loss = evaluate()
-            profiler.mark("other")
-            progress.message(f"step {state.step}: val loss {val_loss:.4f}")
-        if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
-            checkpoint = save()
-        hooks.progress(state.step)
-        window.pause(time.perf_counter() - pause_start)
-        if result.stop_votes:  # SIGTERM or Ctrl-C reached some rank; every rank learns it at this same step
-            stop = int(runtime.all_reduce(float(hooks.stop_vote), "max"))  # which one; Ctrl-C wins
-            progress.message(f"{_stop_reason(stop)}: stopping at step {state.step} with a checkpoint")
-            if checkpoint != step_dir(s.checkpointer.run_dir, state.step):
+            pause_start = time.perf_counter()  # evaluation and checkpoints are not training-step time
+            if tcfg.eval_every and state.step % tcfg.eval_every == 0 and state.step < tcfg.max_steps:
+                profiler.mark("eval")
+                val_loss = evaluate()
+                profiler.mark("other")
+                progress.message(f"step {state.step}: val loss {val_loss:.4f}")
+            if ckpt.every and state.step % ckpt.every == 0 and state.step < tcfg.max_steps:
                 checkpoint = save()
-            break
+            hooks.progress(state.step)
+            window.pause(time.perf_counter() - pause_start)
+            if result.stop_votes:  # SIGTERM or Ctrl-C reached some rank; every rank learns it at this same step
+                stop = int(runtime.all_reduce(float(hooks.stop_vote), "max"))  # which one; Ctrl-C wins
+                progress.message(f"{_stop_reason(stop)}: stopping at step {state.step} with a checkpoint")
+                if checkpoint != step_dir(s.checkpointer.run_dir, state.step):
+                    checkpoint = save()
+                break
+    finally:
+        batches.close()  # its worker processes go now, however the loop ended (data/workers.py)
 
-    # Let the loader's workers go now: a frame kept alive by an exception's traceback (matplotlib's first import
-    # at the loss plot keeps some) would otherwise hold them until exit, which then waits forever on workers that
-    # ignore SIGTERM (data/workers.py).
-    del batches
     report(window.flush())  # the last window: its final step's loss, which no further step carries
     progress.close()
     if runtime.is_main_process:

@@ -177,3 +177,24 @@ def test_a_folder_gone_before_it_is_moved_aside_is_nothing_to_replace(
     replace_folder(new, out, replace=True, owner=OWNER)
     assert [p.name for p in out.iterdir()] == ["a"] and (out / "a").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old-other", "out"]  # the other's to finish
+
+
+def test_a_full_folder_appearing_after_the_check_is_never_taken(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without `replace`: a folder with files made in the instant between the check and the rename was a raw
+    ENOTEMPTY; it is FileExistsError, which each command turns into its one-line refusal."""
+    new, dest = folder(tmp_path / "new", a="new"), folder(tmp_path / "dest", theirs="kept")
+    monkeypatch.setattr(files.os.path, "lexists", lambda path: False)  # the check saw nothing there
+    with pytest.raises(FileExistsError):
+        replace_folder(new, dest, replace=False)
+    assert (dest / "theirs").read_text() == "kept" and (new / "a").is_file()
+
+
+def test_a_mount_point_is_refused_before_anything_is_written(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A bind-mounted output folder cannot be replaced by a rename: refused up front, naming a folder inside it."""
+    mounted = folder(tmp_path / "mnt")
+    monkeypatch.setattr(files.os.path, "ismount", lambda path: Path(path) == mounted)
+    with pytest.raises(Refused, match=rf"{mounted} is a mount point: .*Fix: another folder \(a folder inside it"):
+        check_replaceable(mounted, OWNER)
+    check_replaceable(folder(tmp_path / "plain"), OWNER)  # an empty folder that is no mount point may be replaced

@@ -208,6 +208,12 @@ def check_replaceable(folder: Path, owner: FolderOwner) -> None:
     that does not exist, or a symlink (replaced as a link, its target untouched), may be replaced."""
     if not os.path.lexists(folder) or folder.is_symlink():
         return
+    if os.path.ismount(folder):  # a bind mount, say: the output is committed by a rename, which cannot replace it
+        raise owner.error(
+            f"{owner.label.format(path=str(folder))} is a mount point: {owner.command} writes a complete folder beside "
+            f"it and renames it into place, which cannot replace a mount point. Fix: {owner.other} (a folder inside "
+            f"it, e.g. {str(folder / 'out')!r})."
+        )
     _refuse_foreign(folder, folder, owner)
 
 
@@ -255,7 +261,12 @@ def replace_folder(new: Path, dest: Path, *, replace: bool, owner: FolderOwner |
             raise FileExistsError(f"{dest} exists")
         # The kernel's rename would still replace an empty folder made in the instant since the check (a
         # non-empty one, or a file, makes it fail): no data can be lost there.
-        os.rename(new, dest)
+        try:
+            os.rename(new, dest)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):  # something appeared there meanwhile
+                raise FileExistsError(f"{dest} exists") from None
+            raise
         fsync_dir(dest.parent)
         return
     assert owner is not None

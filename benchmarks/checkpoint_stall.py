@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from trainmesh.checkpoint import Checkpointer, TrainerState
+from trainmesh.launch.spawn import run_distributed
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.testing import run_distributed
 
 TARGET = 0.10
 

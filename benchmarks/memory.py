@@ -1,6 +1,6 @@
 """Memory per rank: DDP vs FSDP (ZeRO), with CPU offload and activation checkpointing.
 
-Each setup runs in its own pair of fresh gloo processes on the CPU (`trainmesh.testing.run_distributed`,
+Each setup runs in its own pair of fresh gloo processes on the CPU (`trainmesh.launch.spawn.run_distributed`,
 2 ranks × 1 thread): `Runtime(strategy=..., parallel=ParallelConfig(fsdp=FSDPConfig(...),
 activation_checkpointing=...))`, a GPT
 (`trainmesh.recipes.gpt.model.GPT`), `rt.setup(model)`, then AdamW built from the set-up model's parameters
@@ -54,9 +54,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from trainmesh.config.schema import FSDPConfig, ParallelConfig
+from trainmesh.launch.spawn import run_distributed
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.testing import run_distributed
 
 MiB = 2**20
 WORLD_SIZE = 2

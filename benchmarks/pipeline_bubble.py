@@ -1,6 +1,6 @@
 """Pipeline bubble: how long each stage sits idle per step, measured, against the theory.
 
-Two gloo processes on the CPU (1 thread each, `trainmesh.testing.run_distributed`) form a pipeline of
+Two gloo processes on the CPU (1 thread each, `trainmesh.launch.spawn.run_distributed`) form a pipeline of
 p = 2 ranks. For each schedule and micro-batch count m, trainmesh's own pipeline strategy
 (`build_strategy(Layout("single", ParallelDims(pp=2)), parallel=ParallelConfig(pp=2,
 pipeline=PipelineConfig(schedule, m)))`) cuts a GPT (8 blocks, C = 256, T = 64) into stages, and
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.config.schema import ParallelConfig, PipelineConfig
+from trainmesh.launch.spawn import run_distributed
 from trainmesh.precision import build_precision
 from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
 from trainmesh.recipes.gpt.parallel import pipeline_stage_gpt
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import Layout, Objective, ParallelDims, ParallelPlan, build_strategy
 from trainmesh.strategies.pipeline import PipelineStrategy
-from trainmesh.testing import run_distributed
 
 P = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")

@@ -1,8 +1,8 @@
 """Measured per-rank memory, by component, and step time of parallel layouts: what `trainmesh plan` must predict.
 
 Each layout is a list of trainmesh config overrides and a world size. It runs in fresh gloo processes on the CPU
-(`trainmesh.testing.run_distributed`, one thread per rank; more ranks than cores are oversubscribed), and every
-rank builds exactly what a trainmesh run builds: `trainmesh.job.load_config(config, overrides, "gpt")`,
+(`trainmesh.launch.spawn.run_distributed`, one thread per rank; more ranks than cores are oversubscribed), and every
+rank builds exactly what a trainmesh run builds: `trainmesh.job.resolve.load_config(config, overrides, "gpt")`,
 `resolve(config, world_size)` -> Job, `job.runtime()`, then the training loop's own set-up
 (`trainmesh.train.setup.set_up`: data, `recipe.build_model`, `runtime.setup` with the recipe's parallel plan,
 `build_optimizer`, the loader) and the loop's own step (`trainmesh.train.loop.train_step`: the step's
@@ -72,12 +72,12 @@ from torch.utils.hooks import RemovableHandle
 from memory import SavedTensors, local, local_bytes
 from trainmesh.config import ConfigError
 from trainmesh.core.env import DistEnv
-from trainmesh.faults import FaultPlan
-from trainmesh.job import Job, load_config, resolve
+from trainmesh.job.resolve import Job, load_config, resolve
+from trainmesh.launch.spawn import DistributedTestError, run_distributed
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.blocks import find_blocks
-from trainmesh.testing import DistributedTestError, run_distributed
+from trainmesh.train.faults import FaultPlan
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.loop import train_step
 from trainmesh.train.optim import lr_at, set_lr

@@ -1,6 +1,6 @@
 """Extrapolated scaling: what `trainmesh plan`'s model predicts from 1 to 4096 H100s, against published figures.
 
-Nothing is measured here: every number is the planner's prediction (`trainmesh.plan.search.plan_layouts`) on the
+Nothing is measured here: every number is the planner's prediction (`trainmesh.apps.plan.search.plan_layouts`) on the
 `h100` preset (`get_cluster("h100", nodes, 8)`; 1 GPU is one node of one device). For each model, scaling mode and
 GPU count it takes the fastest layout that fits the device memory (what `trainmesh plan` recommends) and records
 its name, micro-batch, step time by phase, tokens/s per GPU, MFU, speedup and efficiency against the smallest
@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainmesh.job import load_config
-from trainmesh.plan.cluster import Cluster, GiB, get_cluster
-from trainmesh.plan.command import ASSUMPTIONS
-from trainmesh.plan.estimate import TIME_PARTS, Estimate
-from trainmesh.plan.search import Workload, estimate, mfu, plan_layouts
+from trainmesh.apps.plan.cluster import Cluster, GiB, get_cluster
+from trainmesh.apps.plan.estimate import TIME_PARTS, Estimate
+from trainmesh.apps.plan.search import Workload, estimate, mfu, plan_layouts
+from trainmesh.cli.plan import ASSUMPTIONS
+from trainmesh.job.resolve import load_config
 
 GPUS = tuple(8 * 2**k for k in range(10))  # 8 … 4096, whole nodes of 8
 

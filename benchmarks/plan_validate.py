@@ -1,7 +1,7 @@
 """`trainmesh plan`'s predictions against measurements on this machine: memory per rank by component, and step time
 after calibration.
 
-1. Calibrate (`trainmesh.plan.calibrate.calibrate`, what `trainmesh plan --calibrate` runs) with the measured
+1. Calibrate (`trainmesh.apps.plan.calibrate.calibrate`, what `trainmesh plan --calibrate` runs) with the measured
    layouts' model and micro-batch, unless `--calibration` names a saved one.
 2. Measure every layout (benchmarks/plan_measure.py: the real trainmesh set-up and loop step on gloo processes,
    per rank: params, grads, optimizer state, the live peak of saved activations, FSDP's gathered parameters, the
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from plan_measure import CASES, case_overrides, measure_layout
-from trainmesh.job import load_config, resolve
+from trainmesh.apps.plan.calibrate import calibrate, reference_step_seconds
+from trainmesh.apps.plan.cluster import Cluster, load_calibration
+from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory, step_time
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.job.resolve import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
-from trainmesh.plan.calibrate import calibrate, reference_step_seconds
-from trainmesh.plan.cluster import Cluster, load_calibration
-from trainmesh.plan.estimate import PrecisionBytes, stage_memory, step_time
-from trainmesh.plan.layouts import Candidate
-from trainmesh.plan.model import ModelSpec
 
 MiB = 2**20
 COMPONENTS = {

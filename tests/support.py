@@ -22,7 +22,8 @@ from trainmesh.config import Config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import DistConfig, ParallelConfig
 from trainmesh.core.env import free_port
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
+from trainmesh.job.worker import run_worker
 from trainmesh.metrics.sinks import read_metrics
 from trainmesh.recipes.base import Datasets, Recipe
 from trainmesh.recipes.gpt import GPTRecipe
@@ -31,7 +32,6 @@ from trainmesh.recipes.gpt.parallel import parallelize_gpt
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.plan import ParallelPlan
 from trainmesh.train.loop import TrainResult
-from trainmesh.worker import run_worker
 
 NANO = [
     "--model.size=nano",

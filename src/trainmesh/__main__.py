@@ -6,6 +6,6 @@ from trainmesh.core.orphans import end_with_launcher
 
 end_with_launcher()  # first, before torch is imported: a worker whose launcher dies stops at once (core/orphans.py)
 
-from trainmesh.worker import main  # noqa: E402
+from trainmesh.job.worker import main  # noqa: E402
 
 sys.exit(main())

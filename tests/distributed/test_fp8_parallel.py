@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
+from trainmesh.testing import run_distributed
 
 from support import nano_config, train_rank_runs, train_records
 from trainmesh.checkpoint import list_checkpoints, read_full_state
-from trainmesh.testing import run_distributed
+from trainmesh.job.worker import run_worker
 from trainmesh.train.loop import TrainResult
-from trainmesh.worker import run_worker
 
 pytestmark = pytest.mark.slow
 

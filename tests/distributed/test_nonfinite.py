@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainmesh.testing import DistributedTestError, run_distributed
 
 from support import train_rank
-from trainmesh.faults import ENV_VAR
-from trainmesh.testing import DistributedTestError, run_distributed
+from trainmesh.train.faults import ENV_VAR
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from plan_measure import Case, measure_layouts
 from plan_validate import compare
-from trainmesh.plan.cluster import PRESETS
+from trainmesh.apps.plan.cluster import PRESETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from trainmesh.testing import run_distributed
 
 from support import train_rank, train_rank_runs
-from trainmesh.faults import ENV_VAR
-from trainmesh.testing import run_distributed
+from trainmesh.train.faults import ENV_VAR
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -35,8 +35,8 @@ from unittest import mock
 
 import pytest
 
+from trainmesh.apps.plan.cluster import GiB
 from trainmesh.cli import main
-from trainmesh.plan.cluster import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ("trainmesh", ".venv/bin/trainmesh")
@@ -108,7 +108,7 @@ def all_samples() -> list[Sample]:
 def documented_machine() -> Iterator[None]:
     """This process seen as the docs' machine by `check`'s memory line: no GPU, DOCUMENTED_MEMORY of host memory."""
     with (
-        mock.patch("trainmesh.plan.check.host_memory", return_value=DOCUMENTED_MEMORY),
+        mock.patch("trainmesh.apps.plan.check.host_memory", return_value=DOCUMENTED_MEMORY),
         mock.patch("torch.cuda.is_available", return_value=False),
     ):
         yield

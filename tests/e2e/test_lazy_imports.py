@@ -32,7 +32,7 @@ for info in pkgutil.walk_packages(trainmesh.__path__, "trainmesh."):
     except ModuleNotFoundError as e:  # an optional package that is not installed (ray): its module is not default
         if (e.name or "").startswith("trainmesh"):
             raise
-from trainmesh.worker import main
+from trainmesh.job.worker import main
 
 code = main(sys.argv[1:])  # one process, as under plain python: the default run path
 loaded = sorted({name.split(".")[0] for name in sys.modules} & {"torchao", "transformers"})

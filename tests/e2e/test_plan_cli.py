@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from support import nano_config, nano_toml
+from trainmesh.apps.plan.cluster import PRESETS, save_calibration
 from trainmesh.cli import main
-from trainmesh.plan.cluster import PRESETS, save_calibration
 from trainmesh.recipes.gpt.model import GPT
 
 pytestmark = pytest.mark.timeout(120)

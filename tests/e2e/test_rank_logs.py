@@ -85,7 +85,7 @@ def test_a_failing_rank_leaves_its_traceback_in_its_log_and_the_launcher_names_i
     assert Path(tmp_path / named.group(1)) == stderr_log  # relative to where trainmesh ran
     # The console showed local rank 0 only: the launcher shows the end of rank 1's file.
     assert f"the end of rank 1's {named.group(1)}:" in result.stderr
-    assert "  | [rank1]: trainmesh.faults.InjectedFault: injected fault" in result.stderr
+    assert "  | [rank1]: trainmesh.train.faults.InjectedFault: injected fault" in result.stderr
     # Rank 0 fails next (its peer is gone), or torchrun's agent stops it first.
     then = r"rank 0 then: (exit code 1|killed by signal SIGTERM \(-15\)); its output: \S+/attempt_0/rank_0/stderr\.log"
     assert re.search(then, result.stderr), result.stderr[-3000:]

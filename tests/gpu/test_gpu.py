@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from trainmesh.testing import run_distributed
 
 from support import assert_learned, nano_config, train_rank, train_records, val_losses
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.config.schema import DistConfig
 from trainmesh.core.dist import tf32_note
-from trainmesh.faults import ENV_VAR
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
+from trainmesh.job.worker import run_worker
 from trainmesh.metrics.mfu import device_peak
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.testing import run_distributed
+from trainmesh.train.faults import ENV_VAR
 from trainmesh.train.optim import build_optimizer
-from trainmesh.worker import run_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -2,7 +2,7 @@
 of 2 CPU workers trains exactly as trainmesh's own 2-process launch does.
 
 Ray sets up the workers' process group itself; trainmesh adopts it. The same nano GPT job, through
-trainmesh.integrations.ray.fit and through run_distributed (trainmesh's own group), must end with identical
+trainmesh.compat.ray.fit and through run_distributed (trainmesh's own group), must end with identical
 weights and optimizer state in its final DCP checkpoint, also when a rank fails halfway and Ray restarts the
 workers (they continue from the run's checkpoint); and a user's loop on `Runtime` inside Ray's training
 function must train as the same loop does under trainmesh, and leave Ray's group alive for Ray.
@@ -25,14 +25,14 @@ pytest.importorskip("ray.train.torch")
 
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402  (after the skip)
 from ray.train.torch import TorchTrainer  # noqa: E402
+from trainmesh.testing import run_distributed  # noqa: E402
 
 from support import nano_config, train_rank, train_records  # noqa: E402
 from trainmesh.checkpoint import list_checkpoints  # noqa: E402
 from trainmesh.checkpoint.dcp import read_full_state  # noqa: E402
-from trainmesh.faults import ENV_VAR as FAULT_VARIABLE  # noqa: E402
-from trainmesh.integrations.ray import fit, prepare, train_loop_config, train_loop_per_worker  # noqa: E402
+from trainmesh.compat.ray import fit, prepare, train_loop_config, train_loop_per_worker  # noqa: E402
 from trainmesh.runtime.runtime import Runtime  # noqa: E402
-from trainmesh.testing import run_distributed  # noqa: E402
+from trainmesh.train.faults import ENV_VAR as FAULT_VARIABLE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # Ray starts its workers in about 20 s on 2 cores
 

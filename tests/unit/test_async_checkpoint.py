@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 from support import nano_config
 from trainmesh.checkpoint import list_checkpoints, saver
-from trainmesh.worker import run_worker
+from trainmesh.job.worker import run_worker
 
 
 def test_saver_survives_a_stager_that_clears_itself_after_each_stage(

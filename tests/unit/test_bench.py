@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from support import nano_toml, refused_before_writing
-from trainmesh.bench.command import point_options
-from trainmesh.bench.load import BUSY_MARGIN, LOAD_RULES, CpuSample, read_cpu, watch_point
-from trainmesh.bench.plan import Machine, choose_counts, plan_points, timing_overrides
-from trainmesh.bench.report import Measured, Row, add_scaling, markdown_table, measure, write_json, write_markdown
+from trainmesh.apps.bench.load import BUSY_MARGIN, LOAD_RULES, CpuSample, read_cpu, watch_point
+from trainmesh.apps.bench.plan import Machine, choose_counts, plan_points, timing_overrides
+from trainmesh.apps.bench.report import Measured, Row, add_scaling, markdown_table, measure, write_json, write_markdown
 from trainmesh.cli import main
+from trainmesh.cli.bench import point_options
 from trainmesh.launch import LaunchOptions
 from trainmesh.metrics.breakdown import PHASES
 

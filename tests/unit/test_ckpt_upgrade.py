@@ -24,9 +24,9 @@ from trainmesh.checkpoint.dcp import CheckpointMismatchError, read_full_state
 from trainmesh.checkpoint.manifest import write_manifest_here
 from trainmesh.checkpoint.state import TRAINER_STATE
 from trainmesh.cli import main
+from trainmesh.job.worker import run_worker
 from trainmesh.recipes.gpt import GPT, GPTConfig
 from trainmesh.recipes.gpt.upgrade import fuse_heads
-from trainmesh.worker import run_worker
 
 pytestmark = pytest.mark.timeout(180)
 

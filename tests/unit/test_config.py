@@ -9,7 +9,7 @@ import pytest
 from trainmesh.config import ConfigError, build_config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict, parse_override
 from trainmesh.config.schema import SampleConfig
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
 from trainmesh.recipes.gpt import GPTConfig
 
 
@@ -102,10 +102,10 @@ def test_shipped_configs_load() -> None:
 
 
 def test_config_reference_is_up_to_date() -> None:
-    from trainmesh.reference import render
+    from trainmesh.cli.reference import render
 
     doc = Path(__file__).parents[2] / "docs" / "config.md"
-    assert doc.read_text() == render(), "regenerate: python -m trainmesh.reference > docs/config.md"
+    assert doc.read_text() == render(), "regenerate: python -m trainmesh.cli.reference > docs/config.md"
 
 
 def test_derived_values_are_filled_in_at_load_time(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from trainmesh.data.corpus import (
 )
 from trainmesh.data.datasets import TokenWindows
 from trainmesh.data.tokenizer import ByteTokenizer, get_tokenizer
-from trainmesh.worker import run_worker
+from trainmesh.job.worker import run_worker
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:
@@ -212,7 +212,7 @@ def test_a_prepared_folder_is_read_from_its_manifest(tmp_path: Path) -> None:
 def test_the_gpt_recipe_takes_the_vocabulary_from_the_manifest_and_refuses_another_tokenizer(tmp_path: Path) -> None:
     from trainmesh.config import ConfigError
     from trainmesh.data.prepare import PrepareOptions, prepare
-    from trainmesh.job import load_config
+    from trainmesh.job.resolve import load_config
 
     (tmp_path / "a.txt").write_text("text to train on " * 500)
     prepare(PrepareOptions((tmp_path / "a.txt",), tmp_path / "data", tokenizer="gpt2", progress=False))

@@ -19,14 +19,14 @@ from trainmesh.cli import main
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig, Float8Config, ParallelConfig
 from trainmesh.core.env import DistEnv
-from trainmesh.job import load_config, resolve
+from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.worker import run_worker
 from trainmesh.metrics import mfu
 from trainmesh.precision import build_precision, check_precision_supported
 from trainmesh.precision.fp8 import Float8MixedPrecision, float8_linears, fp8_problem
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import GPT, GPTConfig, summed_lm_loss
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
 CPU_ONLY = DistConfig(device="cpu")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainmesh.cli import main
-from trainmesh.horovodrun import HorovodrunArgs, HorovodrunError, launch_options, parse
+from trainmesh.compat.horovodrun import HorovodrunArgs, HorovodrunError, launch_options, parse
 
 
 @pytest.fixture

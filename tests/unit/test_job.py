@@ -11,11 +11,11 @@ from support import assert_config_recorded, nano_config
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import ModelConfig, ParallelConfig
 from trainmesh.core.env import DistEnv
-from trainmesh.job import load_config, resolve
+from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.worker import run_worker
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import ParallelDims
-from trainmesh.worker import run_worker
 
 TWO_RANKS = DistEnv(0, 0, 2, 2, "127.0.0.1", 1, "torchrun")
 

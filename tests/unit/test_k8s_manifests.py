@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
+from trainmesh.apps.schedulers.kubernetes import RANK_MEMORY_GI, WORKER_MEMORY_GI, K8sJob, render_manifests
 from trainmesh.cli import main
 from trainmesh.config import load_toml
-from trainmesh.job import load_config, resolve
-from trainmesh.schedulers.kubernetes import RANK_MEMORY_GI, WORKER_MEMORY_GI, K8sJob, render_manifests
+from trainmesh.job.resolve import load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = str(ROOT / "configs" / "gpt2-124m.toml")

@@ -16,12 +16,18 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import Std
 
 from trainmesh.cli.flags import build_parser, split_recipe_args
-from trainmesh.commands import launch_options
-from trainmesh.core import exit_records
-from trainmesh.core.exit_records import ExitRecord, read_records, record_exit, record_start, records_folder
-from trainmesh.core.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
-from trainmesh.launch import NO_SHARED_STORE, LaunchError, LaunchOptions, _agent_environment, torchrun_argv
+from trainmesh.job.launcher import launch_options
+from trainmesh.launch import (
+    NO_SHARED_STORE,
+    LaunchError,
+    LaunchOptions,
+    _agent_environment,
+    exit_records,
+    torchrun_argv,
+)
+from trainmesh.launch.exit_records import ExitRecord, read_records, record_exit, record_start, records_folder
 from trainmesh.launch.outcome import report_stop
+from trainmesh.launch.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
 
 
 def test_single_node_uses_loopback_and_a_free_port() -> None:
@@ -167,7 +173,7 @@ def test_a_restart_without_a_new_attempt_number_gets_a_folder_of_its_own(tmp_pat
 
 
 def test_launches_in_the_same_second_get_their_own_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainmesh.core import rank_logs
+    from trainmesh.launch import rank_logs
 
     class Clock(datetime.datetime):
         @classmethod

@@ -16,17 +16,15 @@ SRC = Path(__file__).parents[2] / "src" / "trainmesh"
 
 # Bottom to top. A package may import packages of lower layers only (and itself).
 LAYERS: list[set[str]] = [
-    {"core"},  # environment, process group plumbing, logging, exit codes, files, batch plan: imports nothing
+    {"core"},  # environment, process group plumbing, logging, exit codes, files, batch math: imports nothing
     {"config"},  # pure data: the option dataclasses and the names they may take
-    {"precision", "data", "faults", "layers", "metrics", "testing"},
-    {"strategies", "horovod"},  # horovod: Horovod's API, with layers' SyncBatchNorm as hvd.SyncBatchNorm
+    {"precision", "data", "layers", "metrics", "launch"},  # launch: torchrun's agent, rank logs, the N-rank spawner
+    {"strategies"},
     {"runtime", "checkpoint"},
     {"recipes"},
     {"train"},
-    {"job", "rundir", "launch", "reference"},
-    {"plan", "schedulers", "resume"},  # predictions for a resolved job; job files; what a resume starts from
-    {"worker", "commands", "horovodrun"},  # horovodrun: `trainmesh horovodrun`, mapped onto launch
-    {"bench", "parity", "integrations"},  # built on `run` (commands); integrations: other launchers (Ray Train)
+    {"job"},  # resolve -> Job, the run folder's life, the launcher side of run/check, the per-rank worker
+    {"apps", "compat"},  # products on the engine (plan, bench, parity, job files); Horovod's API, Ray Train
     {"cli", "__main__"},
 ]
 FACADE = "__init__"  # trainmesh/__init__.py names the public API lazily; nothing imports it but the CLI (--version)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from support import nano_toml, refused_before_writing
-from trainmesh.parity.compare import SPREAD_FACTOR, ParityError, Record, compare, tolerance_floor
-from trainmesh.parity.report import report_text
+from trainmesh.apps.parity.compare import SPREAD_FACTOR, ParityError, Record, compare, tolerance_floor
+from trainmesh.apps.parity.report import report_text
 from trainmesh.train.parity import L2, SUM, WSUM, fingerprint, relative_difference
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,9 +205,9 @@ def test_b_again_is_nudged_so_the_check_measures_a_spread(
 ) -> None:
     """The three runs trained in this process (one process each): B again must get its noise, else the spread is
     0 and every tolerance falls to the floor (a CPU run repeated as it was is exact)."""
+    from trainmesh.cli import parity as command
     from trainmesh.cli import main
-    from trainmesh.parity import command
-    from trainmesh.worker import run_worker
+    from trainmesh.job.worker import run_worker
 
     def launch_here(opts: Any, jobs: Any, job: Any, run_dir: Path, launch_id: str) -> int:
         run_worker(job.config, run_dir)  # the probe reads the environment the launch would pass on

@@ -11,14 +11,14 @@ import os
 import pytest
 import torch
 
+from trainmesh.apps.plan.calibrate import SIZES, _cluster, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
+from trainmesh.apps.plan.cluster import PRESETS, Link, get_cluster, load_calibration, save_calibration
+from trainmesh.apps.plan.estimate import PrecisionBytes, pieces_in_flight
+from trainmesh.apps.plan.layouts import Candidate, candidates
+from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
 from trainmesh.core.machine import host_memory
-from trainmesh.job import load_config
-from trainmesh.plan.calibrate import SIZES, _cluster, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
-from trainmesh.plan.cluster import PRESETS, Link, get_cluster, load_calibration, save_calibration
-from trainmesh.plan.estimate import PrecisionBytes, pieces_in_flight
-from trainmesh.plan.layouts import Candidate, candidates
-from trainmesh.plan.model import ModelSpec
-from trainmesh.plan.search import Workload, estimate, plan_layouts
+from trainmesh.job.resolve import load_config
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(60)

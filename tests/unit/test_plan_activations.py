@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from support import gpt_saved_bytes
+from trainmesh.apps.plan.activations import ATTENTION, GPTActivations, gpt_activations, korthikanti_per_layer
 from trainmesh.config.schema import PRECISIONS
-from trainmesh.plan.activations import ATTENTION, GPTActivations, gpt_activations, korthikanti_per_layer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from support import nano_toml
+from trainmesh.apps.plan import cluster as cluster_module
+from trainmesh.cli import plan as command_module
+from trainmesh.apps.plan.cluster import PRESETS, Cost, get_cluster, load_calibration, save_calibration
 from trainmesh.cli import main
+from trainmesh.cli.plan import read_cluster_file
 from trainmesh.config import ConfigError
-from trainmesh.plan import cluster as cluster_module
-from trainmesh.plan import command as command_module
-from trainmesh.plan.cluster import PRESETS, Cost, get_cluster, load_calibration, save_calibration
-from trainmesh.plan.command import read_cluster_file
 
 pytestmark = pytest.mark.timeout(60)
 

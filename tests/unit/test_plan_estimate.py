@@ -12,12 +12,12 @@ import math
 
 import pytest
 
-from trainmesh.job import load_config
-from trainmesh.plan.cluster import PRESETS, Cluster, Cost, Link
-from trainmesh.plan.estimate import PrecisionBytes, pieces_in_flight, stage_memory
-from trainmesh.plan.layouts import Candidate
-from trainmesh.plan.model import ModelSpec
-from trainmesh.plan.search import Workload, estimate, plan_layouts
+from trainmesh.apps.plan.cluster import PRESETS, Cluster, Cost, Link
+from trainmesh.apps.plan.estimate import PrecisionBytes, pieces_in_flight, stage_memory
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
+from trainmesh.job.resolve import load_config
 from trainmesh.recipes.gpt.model import GPTConfig
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmesh.plan.memory import StateBytes, model_states
+from trainmesh.apps.plan.memory import StateBytes, model_states
 
 pytestmark = pytest.mark.timeout(60)
 

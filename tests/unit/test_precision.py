@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
+from trainmesh.job.worker import run_worker
 from trainmesh.precision import build_precision, check_precision_supported
 from trainmesh.precision.amp import ScaledMixedPrecision
-from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
 

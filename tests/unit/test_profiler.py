@@ -14,10 +14,10 @@ from support import nano_config
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig, ProfileConfig
 from trainmesh.core.dist import set_tf32, tf32_note
+from trainmesh.job.worker import run_worker
 from trainmesh.metrics import mfu
 from trainmesh.metrics.profiler import PHASES, StepProfiler
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.worker import run_worker
 
 CPU = torch.device("cpu")
 

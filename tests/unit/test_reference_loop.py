@@ -30,12 +30,12 @@ from torch import nn
 import trainmesh.train.setup
 from support import PaddedTargets, nano_config, train_records
 from trainmesh.config.schema import Config, DistConfig, OptimConfig
+from trainmesh.job.worker import run_worker
 from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.train.parity import ParityProbe
-from trainmesh.worker import run_worker
 
 Weights = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]  # tokens (B, T), targets (B, T)

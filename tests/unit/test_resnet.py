@@ -14,7 +14,7 @@ from torch import nn
 from trainmesh import Runtime
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
 from trainmesh.layers import SyncBatchNorm, convert_sync_batchnorm
 from trainmesh.recipes.resnet import ResNet, ResNetConfig, ResNetRecipe
 from trainmesh.recipes.resnet.data import Augment, ImageDataset, TensorImages, load_image_data, split_ids

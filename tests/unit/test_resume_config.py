@@ -1,4 +1,4 @@
-"""What a resume starts from (trainmesh.resume), how a run's config.toml is replaced (rundir.commit_config), and the
+"""What a resume starts from (trainmesh.job.resume), how a run's config.toml is replaced (rundir.commit_config), and the
 launch flags a printed resume command repeats (cli.flags.relaunch_tokens)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from trainmesh.cli import invoked_as
 from trainmesh.cli.flags import relaunch_tokens
 from trainmesh.config import ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.resume import RunStart, load_run_config
-from trainmesh.rundir import CONFIG_FILE, commit_config, record_new_run
+from trainmesh.job.resume import RunStart, load_run_config
+from trainmesh.job.rundir import CONFIG_FILE, commit_config, record_new_run
 
 
 def _recorded_run(root: Path, *overrides: str, step: int = 4) -> Path:

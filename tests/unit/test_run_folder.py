@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainmesh.testing import DistributedTestError, run_distributed
 
 from support import nano_config, train_rank
-from trainmesh import rundir
 from trainmesh.checkpoint.catalog import LATEST, make_checkpoint_root, write_latest
 from trainmesh.cli import main
 from trainmesh.core.files import UnsafePathError, make_dirs, open_file, write_atomically
-from trainmesh.job import load_config
-from trainmesh.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir, hold_as_worker
-from trainmesh.testing import DistributedTestError, run_distributed
+from trainmesh.job import rundir
+from trainmesh.job.resolve import load_config
+from trainmesh.job.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir, hold_as_worker
+from trainmesh.job.worker import run_worker
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
-from trainmesh.worker import run_worker
 
 
 @pytest.mark.parametrize("name", ["../../x", "/etc/cron.d/x", "a/b", "two\nlines", ".hidden", "..", "x" * 129])
@@ -289,8 +289,8 @@ def test_torchrun_spellings_of_the_launch_flags_are_accepted(capsys: pytest.Capt
 def test_a_node_restarted_later_may_resume_where_the_first_start_did_not(tmp_path: Path) -> None:
     """The nodes of one job compare their configs, except checkpoint.resume: a pod restarted after checkpoints
     exist resumes (--auto-resume) while the config written by the first start says resume = false."""
-    from trainmesh.commands import _write_or_match_config
-    from trainmesh.job import load_config, resolve
+    from trainmesh.job.launcher import _write_or_match_config
+    from trainmesh.job.resolve import load_config, resolve
     from trainmesh.launch import LaunchError
 
     def job(*overrides: str) -> Any:
@@ -309,8 +309,8 @@ def test_a_joining_node_waits_for_its_own_launchs_config_not_an_earlier_ones(
     folder: a node that joins compares with its own launch's file, written by the node holding the lock."""
     import threading
 
-    from trainmesh.commands import _write_or_match_config
-    from trainmesh.job import load_config, resolve
+    from trainmesh.job.launcher import _write_or_match_config
+    from trainmesh.job.resolve import load_config, resolve
 
     def job(*overrides: str) -> Any:
         return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)

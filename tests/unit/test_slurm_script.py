@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from trainmesh.apps.schedulers.slurm import time_limit_seconds
 from trainmesh.cli import main
-from trainmesh.schedulers.slurm import time_limit_seconds
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

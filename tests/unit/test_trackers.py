@@ -17,7 +17,7 @@ from trainmesh.config import ConfigError
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.log import LogConfig
 from trainmesh.config.schema import Config
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
 from trainmesh.metrics import trackers as trackers_module
 from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, Outcome, read_metrics
 from trainmesh.metrics.trackers import IDS_FILE, RUN_ID_TAG, check_installed, flatten, read_ids, trackers

@@ -51,7 +51,6 @@ from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import fsync_dir
 from trainmesh.core.logging import get_logger
-from trainmesh.faults import FaultPlan
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -69,6 +68,10 @@ _NO_SPACE_MESSAGE = "No space left on device"
 # stager fails with KeyError: <class 'type'> on any non-tensor value in the state (found on an H100 with torch
 # 2.11; tests/unit/test_async_checkpoint.py). There, each save gets its own stager, closed once it is committed.
 FRESH_STAGER_PER_SAVE = TorchVersion(torch.__version__) < "2.13"
+
+
+def _nothing(step: int, phase: str) -> None:
+    pass
 
 
 class CheckpointWriteError(UserError, RuntimeError):
@@ -98,11 +101,12 @@ class Checkpointer:
         runtime: Runtime,
         keep_last: int = 0,
         background: bool = False,
-        faults: FaultPlan | None = None,
+        at_phase: Callable[[int, str], None] | None = None,
     ) -> None:
-        """`faults`: the test hook's plan (faults.py), for faults during a save; none by default."""
+        """`at_phase(step, phase)`: called on each rank once its shards are written ("checkpoint") and on rank 0
+        after the commit rename ("commit"); the fault-injection test hook (train/faults.py) passes its own."""
         self.run_dir, self.runtime, self.keep_last = run_dir, runtime, keep_last
-        self.faults = faults or FaultPlan.none()
+        self.at_phase = at_phase or _nothing
         self.background = background
         self._group: ProcessGroup | None = runtime.new_group() if background else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainmesh-checkpoint") if background else None
@@ -180,7 +184,7 @@ class Checkpointer:
             if job.written is not None:
                 job.written.result()
             torch.save(job.rng, job.staging / RANK_DIR / f"rank_{rt.rank}.pt")
-            self.faults.inject(job.step, "checkpoint")  # test hook: fail before the commit
+            self.at_phase(job.step, "checkpoint")  # test hook: fail before the commit
             if rt.is_main_process:
                 write_json_durably(job.staging / TRAINER_STATE, job.trainer_state)
 
@@ -200,7 +204,7 @@ class Checkpointer:
         """Rank 0: point `latest` at the new checkpoint and rotate. The checkpoint is committed already,
         so a failure here costs a warning, not the run."""
         try:
-            self.faults.inject(job.step, "commit")  # test hook: e.g. the disk fills
+            self.at_phase(job.step, "commit")  # test hook: e.g. the disk fills
             write_latest(self.run_dir, job.final)
             for old in rotate(self.run_dir, self.keep_last):
                 log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", old, self.keep_last)

@@ -15,10 +15,10 @@ trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GP
 trainmesh horovodrun -np 2 python train.py            # a Horovod script (import trainmesh.horovod as hvd)
 trainmesh data prepare corpus/ --tokenizer gpt2 --out data/corpus   # text, JSON Lines, Parquet -> token shards
 
-This package only parses (every command's flags are in flags.py): it imports no torch, so `trainmesh --help` is
-instant. What each command does is in trainmesh.commands, imported once the command line is understood;
-`data prepare` is trainmesh.data.prepare, called from here without importing trainmesh.commands, so that
-neither it nor its workers load torch.
+This module only parses (every command's flags are in flags.py): it imports no torch, so `trainmesh --help` is
+instant. Each verb is a module of its own here (run.py, check.py, parity.py, bench.py, plan.py, schedulers.py,
+ckpt.py, env.py, data.py, horovodrun.py), imported once the command line is understood; `data prepare` loads no
+torch at all, so neither it nor its tokenising workers carry it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from trainmesh.cli.flags import RECIPE_NAMES, build_parser, relaunch_tokens, split_recipe_args
 from trainmesh.cli.launch_flags import refuse_bad_environment
-from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER_ERROR, UserError
+from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging
 
 __all__ = ["RECIPE_NAMES", "build_parser", "main"]
@@ -43,52 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["horovodrun"]:
-        return _horovodrun(argv[1:])
+        from trainmesh.cli.horovodrun import cmd_horovodrun
+
+        return cmd_horovodrun(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "data":  # before `commands`, which imports torch: the tokenising processes stay small
-            return _prepare_data(args)
-        from trainmesh import commands  # torch and everything else, now that the command line is understood
-
-        if args.command == "env":
-            from trainmesh.core.report import environment_report, pytorch_report
-
-            print(environment_report())
-            if args.full:
-                print("\n" + pytorch_report())
-            return 0
-        if args.command == "ckpt":
-            return commands.cmd_ckpt(args)
-        if args.command == "run" and (args.target.endswith(".py") or Path(args.target).is_file()):
-            if not Path(args.target).is_file():
-                parser.error(f"script {args.target!r} does not exist")
-            refuse_bad_environment(parser, args)
-            return commands.run_script(args)
-        overrides = split_recipe_args(parser, args)
-        if args.command == "bench":
-            from trainmesh.bench.command import cmd_bench
-
-            args.command_line = ["trainmesh", *argv]  # for bench.json
-            return cmd_bench(args, overrides)
-        if args.command == "plan":
-            return commands.cmd_plan(args, overrides)
-        if args.command in ("slurm", "k8s"):
-            from trainmesh.schedulers.command import k8s_manifests, slurm_script
-
-            args.command_line = ["trainmesh", *argv]  # recorded in the file
-            print(slurm_script(args, overrides) if args.command == "slurm" else k8s_manifests(args, overrides), end="")
-            return 0
-        if args.command == "check":
-            from trainmesh.parity.command import check_parity_flags, cmd_parity
-
-            check_parity_flags(args)
-            if args.parity:
-                args.command_line = ["trainmesh", *argv]  # for parity.json
-                return cmd_parity(args, overrides)
-            return commands.cmd_check(args, overrides)
-        args.relaunch = relaunch_tokens(argv, invoked_as())  # for the command that resumes the run, which it prints
-        return commands.cmd_run(args, overrides)
+        return _dispatch(parser, args, argv)
     except UserError as e:
         log.error("%s", e)
         return EXIT_USER_ERROR
@@ -111,51 +72,53 @@ def invoked_as() -> list[str]:
     return ["trainmesh"] if on_path else [started]
 
 
-def _horovodrun(argv: list[str]) -> int:
-    """`trainmesh horovodrun ...`: horovodrun's flags (not argparse's: -np, and the command after them)."""
-    from trainmesh import horovodrun
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the verb the command line names. Each verb's module (cli/<verb>.py) is imported only now: torch and
+    everything else load once the command line is understood, and `data prepare` never loads torch."""
+    if args.command == "data":
+        from trainmesh.cli.data import cmd_data
 
-    try:
-        args = horovodrun.parse(argv)
-        if args is None:
-            print(horovodrun.USAGE)
-            return 0
-        return horovodrun.launch_horovodrun(args)
-    except UserError as e:
-        log.error("%s", e)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        log.warning("interrupted (Ctrl-C) before the workers started")
-        return EXIT_INTERRUPTED
+        return cmd_data(args)
+    if args.command == "env":
+        from trainmesh.cli.env import cmd_env
 
+        return cmd_env(args)
+    if args.command == "ckpt":
+        from trainmesh.cli.ckpt import cmd_ckpt
 
-def _prepare_data(args: argparse.Namespace) -> int:
-    """`trainmesh data prepare` (trainmesh.data.prepare imports no torch)."""
-    from trainmesh.core.signals import Terminated, sigterm_raises
-    from trainmesh.data.prepare import PrepareOptions, prepare
+        return cmd_ckpt(args)
+    if args.command == "run" and (args.target.endswith(".py") or Path(args.target).is_file()):
+        if not Path(args.target).is_file():
+            parser.error(f"script {args.target!r} does not exist")
+        refuse_bad_environment(parser, args)
+        from trainmesh.cli.run import run_script
 
-    given = {k: getattr(args, k) for k in ("tokenizer", "text_field", "val_fraction", "shard_tokens", "workers")}
-    options = PrepareOptions(
-        inputs=tuple(args.inputs),
-        out=args.out,
-        force=args.force,
-        progress=not args.no_progress,
-        **{k: v for k, v in given.items() if v is not None},
-    )
-    try:
-        with sigterm_raises():  # as Ctrl-C: prepare removes its staging folder (the default would leave it)
-            done = prepare(options)
-    except KeyboardInterrupt:
-        log.warning("interrupted (Ctrl-C): nothing was written to %s", args.out)
-        return EXIT_INTERRUPTED
-    except Terminated:
-        log.warning("terminated (SIGTERM): nothing was written to %s", args.out)
-        return EXIT_TERMINATED
-    manifest = done.manifest
-    for name, split in (("train", manifest.train), ("val", manifest.val)):
-        print(f"{name:5} {split.tokens:>15,} tokens in {len(split.shards)} shard(s), {split.documents:,} document(s)")
-    print(
-        f"wrote {done.folder}; train on it with: trainmesh run gpt --data.source={done.folder} "
-        f"--data.tokenizer={manifest.tokenizer.name}"
-    )
-    return 0
+        return run_script(args)
+    overrides = split_recipe_args(parser, args)
+    args.command_line = ["trainmesh", *argv]  # recorded in what bench, parity, slurm and k8s write
+    if args.command == "bench":
+        from trainmesh.cli.bench import cmd_bench
+
+        return cmd_bench(args, overrides)
+    if args.command == "plan":
+        from trainmesh.cli.plan import cmd_plan
+
+        return cmd_plan(args, overrides)
+    if args.command in ("slurm", "k8s"):
+        from trainmesh.cli.schedulers import k8s_manifests, slurm_script
+
+        print(slurm_script(args, overrides) if args.command == "slurm" else k8s_manifests(args, overrides), end="")
+        return 0
+    if args.command == "check":
+        from trainmesh.cli.parity import check_parity_flags, cmd_parity
+
+        check_parity_flags(args)
+        if args.parity:
+            return cmd_parity(args, overrides)
+        from trainmesh.cli.check import cmd_check
+
+        return cmd_check(args, overrides)
+    from trainmesh.cli.run import cmd_run
+
+    args.relaunch = relaunch_tokens(argv, invoked_as())  # for the command that resumes the run, which it prints
+    return cmd_run(args, overrides)

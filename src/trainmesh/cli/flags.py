@@ -34,7 +34,7 @@ def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True, re
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """`trainmesh bench`'s own flags; their values are checked by trainmesh.bench.plan, with messages that say how
+    """`trainmesh bench`'s own flags; their values are checked by trainmesh.apps.bench.plan, with messages that say how
     to fix them (argparse's choices= and type= would not)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("bench")
@@ -60,7 +60,7 @@ def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
 
 
 def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """`trainmesh check --parity`'s flags; checked by trainmesh.parity.command (messages that say how to fix)."""
+    """`trainmesh check --parity`'s flags; checked by trainmesh.cli.parity (messages that say how to fix)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("parity (compare two trainings step by step)")
     g.add_argument(
@@ -88,7 +88,7 @@ def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) ->
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """`trainmesh plan`'s own flags; checked by trainmesh.plan.command (messages that say how to fix)."""
+    """`trainmesh plan`'s own flags; checked by trainmesh.cli.plan (messages that say how to fix)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("plan")
     g.add_argument(
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add PyTorch's own report (torch.utils.collect_env: OS, compilers, CUDA, cuDNN, GPU driver, packages)",
     )
-    sub.add_parser(  # parsed by trainmesh.horovodrun (main hands it the arguments): horovodrun's own flags
+    sub.add_parser(  # parsed by trainmesh.compat.horovodrun (main hands it the arguments): horovodrun's own flags
         "horovodrun",
         add_help=False,
         help="run a Horovod script: horovodrun -np N [-H ...] mapped onto run's launch (trainmesh horovodrun --help)",

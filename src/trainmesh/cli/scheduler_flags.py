@@ -1,5 +1,5 @@
 """The flags of `trainmesh slurm` and `trainmesh k8s`: what the job asks of the cluster (argparse only; their values
-are checked by trainmesh.schedulers, with messages that say how to fix them)."""
+are checked by trainmesh.apps.schedulers, with messages that say how to fix them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser, command: str, defaults: bool = True) -> None:
-    """`trainmesh slurm`'s or `trainmesh k8s`'s own flags; checked by trainmesh.schedulers (messages that say how
+    """`trainmesh slurm`'s or `trainmesh k8s`'s own flags; checked by trainmesh.apps.schedulers (messages that say how
     to fix)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group(command)

@@ -3,7 +3,7 @@
 We never manage processes ourselves: torch.distributed.run starts one worker per rank, watches them,
 restarts the group up to `--max-restarts` times, and reports the failed rank. What we add are
 defaults: a free port on loopback for single-node runs, `auto` process counts, every rank's output kept in
-the run folder (core/rank_logs.py), and a config that has been validated for the planned world size before
+the run folder (launch/rank_logs.py), and a config that has been validated for the planned world size before
 any process starts.
 """
 
@@ -25,12 +25,12 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
 from trainmesh.core.dist import is_loopback, loopback_store
-from trainmesh.core.exit_records import read_records, records_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.orphans import LAUNCHER_PID
-from trainmesh.core.rank_logs import PREFIX, RankLogs, claim_launch_folder
+from trainmesh.launch.exit_records import read_records, records_folder
 from trainmesh.launch.options import LaunchError, LaunchOptions, torchrun_argv
 from trainmesh.launch.outcome import explain_rendezvous_failure, report_failure, report_stop
+from trainmesh.launch.rank_logs import PREFIX, RankLogs, claim_launch_folder
 
 __all__ = ["NO_SHARED_STORE", "LaunchError", "LaunchOptions", "launch", "torchrun_argv"]
 
@@ -42,7 +42,7 @@ def launch(
 ) -> int:
     """Run `entry` on every rank through torch's elastic agent; returns the exit code for the CLI.
     `run_id`: given when `entry` is trainmesh's worker (a recipe's run), which records how each rank ended
-    (core/exit_records.py). `resume_hint`: the command that continues the run after a stop (None: no such hint)."""
+    (launch/exit_records.py). `resume_hint`: the command that continues the run after a stop (None: no such hint)."""
     store = None  # single node: the agent's store, on loopback only, kept alive while the agent runs
     if not opts.multi_node and not opts.rdzv_endpoint and is_loopback(opts.master_addr or "127.0.0.1"):
         try:
@@ -98,7 +98,7 @@ def _claim_logs(opts: LaunchOptions) -> RankLogs | None:
 
 
 def _run_agent(argv: list[str], logs: RankLogs | None) -> None:
-    """torchrun's `run(parse_args(argv))`, with the layout of core/rank_logs.py when the logs are kept."""
+    """torchrun's `run(parse_args(argv))`, with the layout of launch/rank_logs.py when the logs are kept."""
     args = torchrun.parse_args(argv)
     if logs is None:
         torchrun.run(args)

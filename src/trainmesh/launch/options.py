@@ -17,8 +17,8 @@ from trainmesh.core.dist import is_loopback
 from trainmesh.core.env import free_port
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
-from trainmesh.core.rank_logs import NO_LOG_DIR, LogSettings
 from trainmesh.core.signals import signals_held
+from trainmesh.launch.rank_logs import NO_LOG_DIR, LogSettings
 
 log = get_logger(__name__)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USER_ERROR
-from trainmesh.core.exit_records import ExitRecord
 from trainmesh.core.logging import get_logger
-from trainmesh.core.rank_logs import STDERR, RankLogs, tail
+from trainmesh.launch.exit_records import ExitRecord
 from trainmesh.launch.options import LaunchOptions
+from trainmesh.launch.rank_logs import STDERR, RankLogs, tail
 
 log = get_logger(__name__)
 

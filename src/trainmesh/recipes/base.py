@@ -4,7 +4,7 @@ The loop and strategies stay generic; a recipe is the one place that knows what 
 A recipe holds no state between calls: each method takes what it needs (the config, the runtime, the
 datasets `prepare` returned, the model), so they may be called in any order and any number of times.
 Settings derived from other keys or from the data (GPT's vocabulary size, ResNet's classes) are filled in
-by `complete_model` when the job is resolved (trainmesh.job), before anything runs.
+by `complete_model` when the job is resolved (trainmesh.job.resolve), before anything runs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What watches a training run from outside its arithmetic, as one object the worker builds once and the
 loop calls once per phase: the stop signals (preemption.py), the stall watchdog (watchdog.py), the
-fault-injection test hook (trainmesh.faults) and the parity probe (parity.py). Each part defaults to a
+fault-injection test hook (trainmesh.train.faults) and the parity probe (parity.py). Each part defaults to a
 no-op, so a library caller of `train()` passes nothing, and the loop never reads the environment per step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from trainmesh.faults import FaultPlan
+from trainmesh.train.faults import FaultPlan
 from trainmesh.train.parity import ParityProbe
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog

@@ -48,7 +48,7 @@ NUDGE_UNITS, NUDGE_RMS_UNITS = 4, 0.125
 plus NUDGE_RMS_UNITS units of the tensor's root mean square. Another order of summation changes an element by a
 unit or two of rounding; an element that is nearly zero because its terms cancel, by a unit of the terms, far
 more than of itself (the part of the noise that scales with the tensor), and Adam turns such elements' tiny
-gradients into updates of their own. Calibrated on the nano GPT (see trainmesh.parity.compare)."""
+gradients into updates of their own. Calibrated on the nano GPT (see trainmesh.apps.parity.compare)."""
 CHECKSUMS = ("sum", "l1", "l2", "wsum")
 """The fingerprint of a tensor, in this order."""
 SUM, L1, L2, WSUM = range(4)

@@ -24,13 +24,13 @@ from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro_batches, position_at_step
 from trainmesh.data.workers import worker_init
-from trainmesh.faults import FaultPlan
 from trainmesh.metrics.mfu import Peak, device_peak
 from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.metrics.trackers import trackers
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.base import Objective
+from trainmesh.train.faults import FaultPlan
 from trainmesh.train.optim import build_optimizer
 
 log = get_logger(__name__)
@@ -113,7 +113,7 @@ def set_up(
     if config.train.compile:  # the loss too: fused with its fp32 upcast, the logits' softmax is no longer a memory pass
         objective = replace(objective, loss=torch.compile(objective.loss))
     ckpt = config.checkpoint
-    checkpointer = Checkpointer(run_dir, runtime, ckpt.keep_last, background=ckpt.async_save, faults=faults)
+    checkpointer = Checkpointer(run_dir, runtime, ckpt.keep_last, background=ckpt.async_save, at_phase=faults.inject)
     return Session(
         model, raw_model, optimizer, objective, state, state.step, sampler, loader, val_set, eval_ids, checkpointer,
         writer, flops_per_token, peak,

@@ -17,11 +17,11 @@ import torch
 from torch.utils.data import Dataset
 
 from trainmesh.config import Config
-from trainmesh.job import load_config
+from trainmesh.job.resolve import load_config
+from trainmesh.job.worker import run_worker
 from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.worker import run_worker
 
 TRAIN_SAMPLES = 40
 

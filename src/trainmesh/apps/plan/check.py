@@ -1,0 +1,69 @@
+"""The memory line of `trainmesh check`: the plan's prediction for the job as configured, on this machine's devices.
+
+The device memory is this machine's: the first GPU's, else the host memory shared by the node's processes. The
+fixed overhead per process is the GPU presets' 1 GiB (CUDA context, NCCL and cuBLAS workspaces); on a CPU it is not
+counted. `trainmesh plan --cluster this` uses a calibration's measured figures instead; `check` reads no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from trainmesh.apps.plan.cluster import PRESETS, Cluster, GiB, size_unit
+from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, estimate_layout
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.core.machine import host_memory
+from trainmesh.job.resolve import Job
+from trainmesh.recipes.gpt.model import GPTConfig
+
+
+def local_cluster(processes_per_node: int) -> Cluster:
+    """This machine as a one-node cluster with `processes_per_node` ranks."""
+    base = dataclasses.replace(PRESETS["h100"], devices_per_node=processes_per_node)
+    if torch.cuda.is_available():
+        return dataclasses.replace(base, memory=float(torch.cuda.get_device_properties(0).total_memory))
+    return dataclasses.replace(base, device="cpu", memory=host_memory() / processes_per_node, overhead=0.0)
+
+
+def predict(job: Job, cluster: Cluster) -> Estimate | None:
+    """The estimate of `job`'s layout, of which `check` shows the memory (None for recipes the plan does not
+    model)."""
+    config, model = job.config, job.config.model
+    if not isinstance(model, GPTConfig):
+        return None
+    # fp8-mixed as bf16-mixed: the same fp32 model states and bf16 activations; of its float8 layers it keeps no
+    # autocast bf16 weight copies, but casts each layer's input and weight to float8 for a moment (memory_lines says so)
+    name = config.train.precision
+    precision = PrecisionBytes("bf16-mixed" if name == "fp8-mixed" else name)
+    cand, accum = Candidate.from_job(job), job.batch.accum_steps
+    return estimate_layout(ModelSpec(model), cand, precision, cluster, accum, config.train.tf32)
+
+
+def memory_lines(job: Job, processes_per_node: int) -> list[str]:
+    """One line with the prediction by component, and a warning line when it exceeds the device memory."""
+    cluster = local_cluster(processes_per_node)
+    est = predict(job, cluster)
+    if est is None:
+        return [f"  memory: not predicted for recipe {job.config.run.recipe!r} (trainmesh plan models the gpt recipe)"]
+    m = est.memory
+    unit, scale = size_unit(est.total_memory)
+    parts = ", ".join(f"{k} {m[k] / scale:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    extra = (m["gathered"] + m["temporaries"]) / scale
+    where = f" (pipeline stage {est.stage})" if job.layout.dims.pp > 1 else ""
+    host = f"; host {est.host / scale:.2f} {unit}" if est.host else ""
+    lines = [
+        f"  memory per rank, predicted{where}: {est.total_memory / scale:.2f} {unit} = {parts}, temporaries "
+        f"{extra:.2f}, overhead {m['overhead'] / scale:.2f} {unit}{host}"
+    ]
+    if job.config.train.precision == "fp8-mixed":
+        lines.append("  (fp8-mixed predicted as bf16-mixed, which holds the same model states and activations)")
+    if not est.fits:
+        lines.append(
+            f"  WARNING: that is more than the {cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank "
+            "here. Fix: see `trainmesh plan` for layouts that fit (fsdp, activation checkpointing, a smaller "
+            "train.micro_batch)."
+        )
+    return lines

@@ -1,0 +1,370 @@
+"""One layout on one cluster: memory per rank by component, and the time of a step by phase.
+
+Memory is predicted for every pipeline stage (stages hold different parts of the model and different numbers of
+micro-batches in flight) and the most loaded one is what must fit. Components:
+
+    params, grads, optimizer   this rank's (tensor-parallel, FSDP-sharded) part of each parameter (model.py);
+                               AdamW keeps two moments like the parameter and a 4-byte step per tensor. FSDP
+                               accumulating gradients (no_sync) keeps them unsharded until the last micro-step.
+                               CPU offload moves all three to host memory.
+    activations                what autograd saves for backward (activations.py's formula, held to the byte on
+                               the real model) × the micro-batch pieces a pipeline stage holds at once: GPipe all m,
+                               1F1B p − i on stage i, interleaved schedules per Narayanan et al. (1 + (p−1)/(p·v)).
+    gathered                   FSDP grad-op keeps every unit's gathered parameters from forward to backward.
+    temporaries                peaks inside the step: FSDP's gathered unit and its prefetched neighbour with the
+                               unit's unsharded gradients, the recomputed block of activation checkpointing, the
+                               gradient of the logits, pipeline send/receive buffers. DDP's buckets add
+                               nothing: they hold the gradients themselves (parallel.ddp.gradient_as_bucket_view,
+                               on by default).
+    overhead                   what every process holds before the model (the cluster's: CUDA context etc.).
+
+Step time, for the most loaded stage, per optimizer step:
+
+    compute      FLOPs (model.py; + one more forward of checkpointed blocks) / the cluster's achievable FLOP/s,
+                 stretched by the pipeline bubble: (m + p − 1) pieces' time for GPipe and 1F1B, (m + (p − 1)/v)
+                 for interleaved schedules with v stages per rank
+    exposed comm the collectives of the layout (DDP's gradient all-reduce; FSDP's all-gathers and reduce-scatter,
+                 and hybrid's all-reduce across replicas; tensor parallel's two all-reduces per block each way;
+                 pipeline sends), each costed on the link its group crosses (cluster.py), minus what hides behind
+                 compute (cluster.overlap × the compute it can overlap; tensor-parallel and pipeline traffic is on
+                 the critical path and never hidden)
+    optimizer    AdamW and gradient clipping stream 32 bytes per fp32 parameter through memory
+    offload      host↔device copies of the shards with CPU offload
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmesh.apps.plan.activations import INT64, GPTActivations, gpt_activations
+from trainmesh.apps.plan.cluster import Cluster
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import StateBytes, element_bytes
+from trainmesh.apps.plan.model import ModelSpec, Param
+from trainmesh.strategies import SCHEDULES
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries", "overhead")
+TIME_PARTS = ("compute", "bubble", "comm", "optimizer", "offload")
+OPTIMIZER_BYTES_PER_PARAM = 32  # fp32 AdamW: read p, g, m, v; write p, m, v (28); clipping reads g (4)
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+FP8_NOT_PLANNED = (
+    "trainmesh plan does not model train.precision='fp8-mixed' yet: its step time is bf16-mixed's less what float8 "
+    "matmuls save net of their casts, which depends on the layer sizes (small layers can be slower) and needs a "
+    "measurement on a float8 GPU. Fix: plan with --train.precision=bf16-mixed: fp8-mixed holds about the same memory "
+    "(the same fp32 weights, gradients and AdamW state, and bf16 activations), and take its layout."
+)
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each kind of tensor under train.precision (memory.ELEMENT_BYTES)."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name == "fp8-mixed":
+            raise ValueError(FP8_NOT_PLANNED)
+
+    @property
+    def weight(self) -> int:
+        return element_bytes(self.name).param
+
+    @property
+    def activation(self) -> int:
+        return element_bytes(self.name).compute
+
+    @property
+    def gather(self) -> int:
+        """FSDP all-gathers parameters in the compute dtype (bf16 under the mixed precisions)."""
+        return self.activation
+
+    def activations_under(self, strategy: str) -> str:
+        """The precision whose activations a strategy's forward saves: under fsdp a mixed precision's gathered
+        weights (LayerNorms and embeddings too) are already 16-bit, so the residual stream is, and autocast copies
+        nothing: bf16-true's bytes (activations.py)."""
+        mixed = self.name in ("bf16-mixed", "16-mixed")
+        return "bf16-true" if strategy == "fsdp" and mixed else self.name
+
+    def compute_dtype(self, tf32: bool) -> str:
+        if self.name != "32-true":
+            return "bf16"
+        return "tf32" if tf32 else "fp32"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    candidate: Candidate
+    memory: dict[str, float]
+    """Bytes on the most loaded rank, by MEMORY_PARTS (device memory; offloaded state is in `host`)."""
+    host: float
+    """Bytes the most loaded rank keeps in host memory (CPU offload)."""
+    stage: int
+    """The pipeline stage of the most loaded rank."""
+    time: dict[str, float]
+    """Seconds per optimizer step, by TIME_PARTS."""
+    fits: bool
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time.values())
+
+
+def _bytes(params: list[Param], tp: int, shard: int, per_element: float) -> float:
+    return float(sum(p.local_numel(tp, shard) for p in params) * per_element)
+
+
+def pieces_in_flight(cand: Candidate, stage: int) -> float:
+    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule."""
+    m, p = cand.microbatches, cand.pp
+    if p == 1:
+        return 1
+    _, per_rank, _ = SCHEDULES[cand.schedule]
+    if cand.schedule == "gpipe":
+        return m
+    if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
+        return min(m, p - stage)
+    return min(m, p * (1 + (p - 1) / (p * per_rank)))
+
+
+def estimate_layout(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
+) -> Estimate:
+    """Memory of the most loaded rank (the stage whose total is largest) and the time of a step."""
+    stages = [stage_memory(spec, cand, precision, cluster, accum, stage) for stage in range(cand.pp)]
+    stage = max(range(cand.pp), key=lambda i: sum(stages[i][0].values()))
+    parts, host = stages[stage]
+    time = step_time(spec, cand, precision, cluster, accum, tf32)
+    return Estimate(cand, parts, sum(host.values()), stage, time, fits=sum(parts.values()) <= cluster.memory)
+
+
+def stage_memory(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, stage: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes by MEMORY_PARTS on a rank of pipeline stage `stage`, and those it keeps in host memory instead (CPU
+    offload: params, optimizer, and the gradients once reduced)."""
+    held = spec.stage_params(stage, cand.pp)
+    fsdp = cand.strategy == "fsdp"
+    shard = cand.dp_shard if fsdp else 1
+    state = StateBytes.adamw(precision.name)  # per element of each parameter
+    params = _bytes(held, cand.tp, shard, state.weights)
+    optimizer = _bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
+    # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync), and in a pipeline over
+    # the schedule's pieces (torch's PipelineStage turns gradient sync and resharding after backward off until
+    # the schedule ends; the stage's parameters then stay gathered too)
+    in_pipeline = fsdp and cand.pp > 1
+    unsharded_grads = fsdp and (accum > 1 or in_pipeline)
+    grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, state.grads)
+    host: dict[str, float] = {}
+    if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
+        host = {"params": params, "grads": _bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
+        params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads else 0.0
+
+    activations, act = _stage_activations(spec, cand, precision, stage)
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = _checkpointed(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    piece = cand.micro_batch // cand.microbatches
+    # what a pipeline stage sends on: the residual stream, in the parameters' dtype under ddp and single
+    stream = element_bytes(precision.activations_under(cand.strategy)).param
+    sent = spec.seq * piece * spec.n_embd * stream
+
+    gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
+    temporaries = 0.0
+    if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
+        # backward) and its gradients; the block computing, the one prefetched and the block's gradients
+        root = _bytes([p for p in held if p.block is None], cand.tp, 1, 1)
+        in_blocks = {p.block for p in held if p.block is not None}
+        block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
+        temporaries += (root + 2 * block) * precision.gather + (root + block) * precision.weight
+    temporaries += act.recompute_peak if checkpointed else 0
+    if last:  # the logits' gradient, alive at the start of backward
+        temporaries += 4.0 * spec.seq * piece * spec.vocab
+    if cand.pp > 1:  # send and receive buffers
+        temporaries += 2.0 * sent * (2 if not first and not last else 1)
+    parts = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "gathered": gathered,
+        "temporaries": temporaries,
+        "overhead": cluster.overhead,
+    }
+    return parts, host
+
+
+def _checkpointed(cand: Candidate, blocks: int) -> int:
+    """Blocks of a stage under activation checkpointing: block i of the stage when i % k == 0."""
+    return math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
+
+
+def _stage_activations(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, stage: int
+) -> tuple[float, GPTActivations]:
+    """Activation bytes a rank of `stage` holds at most (its pieces in flight), and the per-piece figures."""
+    piece = cand.micro_batch // cand.microbatches
+    act = gpt_activations(
+        spec.n_layer,
+        spec.n_head,
+        spec.n_embd,
+        spec.vocab,
+        spec.seq,
+        piece,
+        precision=precision.activations_under(cand.strategy),
+        checkpoint_every=cand.checkpoint_every,
+        tp=cand.tp,
+    )
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    plain = blocks - _checkpointed(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    per_piece = plain * act.per_block + (blocks - plain) * act.checkpointed_block
+    ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
+    per_piece += (ids if first else 0) + (act.outside - ids if last else 0)
+    # autocast's weight copies are cached once per step, not once per piece in flight
+    copies = plain * act.block_weight_copy + (act.head_weight_copy if last else 0)
+    return float((per_piece - copies) * pieces_in_flight(cand, stage) + copies), act
+
+
+def step_time(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, tf32: bool
+) -> dict[str, float]:
+    """Seconds per optimizer step by TIME_PARTS. The pipeline runs at its slowest stage's pace; the step ends when
+    the stage with the most to do after it (optimizer, data-parallel traffic) is done."""
+    ranks_here = min(cand.dp * cand.tp * cand.pp, cluster.devices_per_node)
+    slowdown = cluster.busy_slowdown if ranks_here > 1 else 1.0  # devices of a node sharing memory (CPU cores)
+    flops = cluster.flops(precision.compute_dtype(tf32 and cluster.device == "cuda")) / slowdown
+    slots = [_slot(spec, cand, precision, cluster, stage, flops, slowdown) for stage in range(cand.pp)]
+    compute, comm, backward = max(slots, key=lambda s: s[0] + s[1])
+    per_rank = SCHEDULES[cand.schedule][1]
+    bubble_slots = 0.0 if cand.pp == 1 else (cand.pp - 1) / (1 if cand.schedule in ("gpipe", "1f1b") else per_rank)
+    m = cand.microbatches
+    pipeline = {"compute": accum * m * compute, "bubble": accum * bubble_slots * (compute + comm)}
+    after = [
+        _after_pipeline(spec, cand, precision, cluster, accum, stage, m * compute, m * backward, slowdown)
+        for stage in range(cand.pp)
+    ]
+    tail = max(after, key=lambda t: sum(t.values()))
+    return {
+        **pipeline,
+        "comm": accum * m * comm + tail["comm"],
+        "optimizer": tail["optimizer"],
+        "offload": tail["offload"],
+    }
+
+
+def _slot(
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    stage: int,
+    flops: float,
+    slowdown: float,
+) -> tuple[float, float, float]:
+    """(compute seconds, tensor-parallel and pipeline communication seconds, backward compute) of one piece on
+    `stage`."""
+    piece = cand.micro_batch // cand.microbatches
+    tokens = piece * spec.seq
+    act_bytes = tokens * spec.n_embd * precision.activation
+    stream = tokens * spec.n_embd * element_bytes(precision.activations_under(cand.strategy)).param
+    tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    checkpointed = _checkpointed(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    forward = blocks * spec.matmul_flops_per_token(side="block")
+    forward += spec.matmul_flops_per_token(side="head") if last else 0
+    recompute = checkpointed * spec.matmul_flops_per_token(side="block")
+    share = cluster.forward_share  # of a forward + backward's time
+    # the calibrated fixed cost of a whole model's step, for this stage's share of the work (not cut by tp: each
+    # rank launches every kernel), once per piece
+    fixed = cluster.step_overhead * slowdown * (forward + share * recompute) / (spec.train_flops_per_token() / 3)
+    split = (1 - cluster.tp_unsplit) / cand.tp + cluster.tp_unsplit  # of the per-token work, on this rank
+    work = tokens * 3 * forward * split / flops
+    again = tokens * 3 * recompute * split / flops * share  # the checkpointed blocks' second forward
+    compute = work + again + fixed
+    backward = (1 - share) * (work + fixed) + again
+    comm = (4 * blocks + 2 * checkpointed) * tp_link.time("all_reduce", act_bytes, cand.tp)
+    if first:
+        comm += tp_link.time("all_reduce", act_bytes, cand.tp)
+    if last:
+        logits = tokens * spec.vocab * precision.activation
+        comm += tp_link.time("all_gather", logits, cand.tp) + tp_link.time("all_reduce", act_bytes, cand.tp)
+    sends = (not first) + (not last)  # receive activations / send them on; the same for gradients back
+    comm += 2 * sends * pp_link.time("p2p", stream, 2)
+    return compute, comm, backward
+
+
+def _after_pipeline(
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    accum: int,
+    stage: int,
+    micro: float,
+    backward: float,
+    slowdown: float,
+) -> dict[str, float]:
+    """A stage's exposed data-parallel communication, optimizer step and offload copies per step."""
+    held = spec.stage_params(stage, cand.pp)
+    shard = cand.dp_shard if cand.strategy == "fsdp" else 1
+    local = sum(p.local_numel(cand.tp, shard) for p in held)
+    optimizer_bytes = local * OPTIMIZER_BYTES_PER_PARAM * precision.weight / 4
+    out = {"comm": _data_parallel_comm(spec, cand, precision, cluster, accum, stage, micro, backward)}
+    if cand.kind == "fsdp-offload":  # the fp32 shards up for each gather, the reduced gradients down
+        out["optimizer"] = optimizer_bytes / cluster.host_bandwidth
+        out["offload"] = (accum * 2 + 1) * local * precision.weight / cluster.host.bandwidth
+    else:
+        out["optimizer"] = optimizer_bytes / cluster.mem_bandwidth * slowdown
+        out["offload"] = 0.0
+    return out
+
+
+def _data_parallel_comm(
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    cluster: Cluster,
+    accum: int,
+    stage: int,
+    micro: float,
+    backward: float,
+) -> float:
+    """Exposed seconds of a stage's data-parallel collectives per step; `micro`/`backward`: compute of one
+    micro-step and of its backward, which communication may hide behind."""
+    if cand.dp == 1:
+        return 0.0
+    held = spec.stage_params(stage, cand.pp)
+    unsharded = _bytes(held, cand.tp, 1, 1)  # elements of this stage's (tensor-parallel) parameters
+    hide = cluster.overlap
+    if cand.strategy == "ddp":
+        link = cluster.link(cand.dp_replicate, cand.tp)
+        buckets = max(1, math.ceil(4 * unsharded / DDP_BUCKET_BYTES))
+        total = link.time("all_reduce", 4 * unsharded, cand.dp_replicate, messages=buckets)
+        return max(total / buckets, total - hide * backward)  # the last bucket cannot hide
+    units = spec.blocks_of_stage(stage, cand.pp) + 1
+    shard_link = cluster.link(cand.dp_shard, cand.tp)
+    gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard, messages=units)
+    regather = gather if cand.kind != "fsdp-grad-op" else 0.0
+    reduce = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard, messages=units)
+    if cand.dp_replicate > 1:
+        replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
+        reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate, messages=units)
+    # FSDP2 copies each gathered unit out of the all-gather buffer, and each unsharded gradient into the
+    # reduce-scatter buffer: memory-bound copies (read + write) on the critical path; and its calibrated own time
+    # per unit
+    gather_copies = 2 * unsharded * precision.gather * (2 if regather else 1) / cluster.mem_bandwidth
+    reduce_copies = 2 * unsharded * 4 / cluster.mem_bandwidth
+    forward = micro - backward
+    per_micro = gather_copies + units * cluster.fsdp_unit_overhead + max(gather / units, gather - hide * forward)
+    # in backward the re-gathers (and, at the last micro-step, the reduce-scatters) share the link: hidden together
+    quiet = max(regather / units, regather - hide * backward)
+    last = reduce_copies + max((regather + reduce) / units, regather + reduce - hide * backward)
+    return accum * per_micro + (accum - 1) * quiet + last

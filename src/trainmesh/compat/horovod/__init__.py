@@ -1,0 +1,132 @@
+"""Horovod's PyTorch API on torch.distributed: a Horovod script changed only in its import trains under
+`trainmesh run` (or `trainmesh horovodrun -np N`).
+
+    import trainmesh.horovod as hvd      # was: import horovod.torch as hvd
+
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+What is supported, what is refused and how the two differ: docs/horovod.md.
+"""
+
+from trainmesh.compat.horovod.basics import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from trainmesh.compat.horovod.compression import Compression
+from trainmesh.compat.horovod.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from trainmesh.compat.horovod.ops import (
+    Handle,
+    add_process_set,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    global_process_set,
+    grouped_allreduce,
+    grouped_allreduce_,
+    poll,
+    synchronize,
+)
+from trainmesh.compat.horovod.optimizer import DistributedOptimizer
+from trainmesh.compat.horovod.rounds import RankJoinedError, join
+from trainmesh.layers import SyncBatchNorm  # Horovod's hvd.SyncBatchNorm takes the same arguments
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "Handle",
+    "Max",
+    "Min",
+    "Product",
+    "RankJoinedError",
+    "ReduceOp",
+    "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]

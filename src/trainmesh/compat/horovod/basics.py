@@ -1,0 +1,199 @@
+"""hvd.init() and who-am-I (rank, size, local and cross ranks), on torch.distributed's default process group.
+
+`init()` adopts a default process group that already exists (a script that set one up, or trainmesh's own
+Runtime); otherwise it joins one exactly as trainmesh's workers do (core.dist.init_process_group): from
+torchrun's variables (what `trainmesh run` sets), SLURM's, or, on one plain process, a private group of
+world size 1 on a free loopback port. On a CUDA machine the group is `cpu:gloo,cuda:nccl`: CUDA tensors go
+through NCCL and CPU tensors (a metric Horovod scripts average with `torch.tensor(x)`) through gloo, as both
+work under Horovod.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from enum import IntEnum
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.config.schema import DistConfig
+from trainmesh.core.dist import existing_group_env, init_process_group, select_device, teardown
+from trainmesh.core.env import DistEnv
+
+
+class ReduceOp(IntEnum):
+    """Horovod's reduction operations (hvd.Average, hvd.Sum, ...), compared by value as Horovod's are."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+
+class _State:
+    """This process's place in the job, set by init(); `owns_group`: init() created the group (shutdown
+    destroys it), rather than adopting one that somebody else will destroy."""
+
+    env: DistEnv | None = None
+    owns_group = False
+    failed = False  # an exception reached the top of the script: leave at exit without waiting for the others
+
+
+_state = _State()
+
+
+def init(comm: object = None, process_sets: object = None) -> None:
+    """Join the job's process group (or adopt the existing one); calling it again does nothing."""
+    if comm is not None:
+        raise ValueError(
+            f"hvd.init(comm={comm!r}): MPI communicators are not supported; trainmesh.compat.horovod runs on "
+            "torch.distributed's default process group (all ranks). Fix: call hvd.init() without comm."
+        )
+    if process_sets is not None:
+        raise ValueError(
+            "hvd.init(process_sets=...): process sets are not supported; every collective spans all ranks. "
+            "Fix: call hvd.init() without process_sets (for a subgroup, use torch.distributed.new_group)."
+        )
+    if is_initialized():
+        return
+    adopted = existing_group_env()
+    if adopted is not None:
+        _state.env, _state.owns_group = adopted, False
+        return
+    env = DistEnv.from_environ()
+    device = select_device("auto", env)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    defaults = DistConfig()  # the same timeouts as trainmesh run's workers (dist.timeout_s, dist.init_timeout_s)
+    init_process_group(env, backend, device, defaults.timeout_s, required=True, init_timeout_s=defaults.init_timeout_s)
+    _state.env, _state.owns_group = env, True
+    _leave_at_exit()
+
+
+def _leave_at_exit() -> None:
+    """Horovod scripts rarely call hvd.shutdown(): Horovod shuts down at exit, and so do we. A gloo group still
+    alive when the interpreter exits can abort the process (torch 2.13: "terminate called without an active
+    exception", SIGABRT, seen in 1 of 4 runs of the example), so a script that finishes destroys it, after a
+    barrier (core.dist.teardown). One that fails does not wait for the others: it is about to exit anyway."""
+    previous = sys.excepthook
+
+    def note_failure(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        _state.failed = True
+        previous(kind, error, tb)
+
+    sys.excepthook = note_failure
+    atexit.register(lambda: shutdown() if not _state.failed else None)
+
+
+def shutdown() -> None:
+    """Leave: destroys the process group when init() created it (an adopted one is left to its owner)."""
+    if _state.env is not None and _state.owns_group:
+        teardown(success=True)
+    _state.env, _state.owns_group = None, False
+
+
+def is_initialized() -> bool:
+    return _state.env is not None and dist.is_initialized()
+
+
+def _env() -> DistEnv:
+    if not is_initialized():
+        raise ValueError(NOT_INITIALIZED)
+    assert _state.env is not None
+    return _state.env
+
+
+def rank() -> int:
+    return _env().rank
+
+
+def size() -> int:
+    return _env().world_size
+
+
+def local_rank() -> int:
+    return _env().local_rank
+
+
+def local_size() -> int:
+    return _env().local_world_size
+
+
+def cross_rank() -> int:
+    """The rank of this process's node (nodes are assumed to run the same number of processes, as torchrun's)."""
+    return _env().node_rank
+
+
+def cross_size() -> int:
+    """The number of nodes."""
+    return _env().num_nodes
+
+
+def is_homogeneous() -> bool:
+    return True  # torchrun starts the same number of processes on every node
+
+
+def mpi_threads_supported() -> bool:
+    return False  # no MPI underneath
+
+
+def mpi_built() -> bool:
+    return False  # trainmesh.compat.horovod never uses MPI, whatever torch was built with
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    return is_initialized() and "gloo" in str(dist.get_backend())
+
+
+def nccl_built() -> bool:
+    return dist.is_nccl_available()
+
+
+def cuda_built() -> bool:
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    return torch.version.hip is not None
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise NotImplementedError(
+        f"hvd.start_timeline({file_path!r}): Horovod's timeline is not supported by trainmesh.compat.horovod. "
+        "Fix: record the collectives with torch.profiler (they appear as c10d/gloo/nccl events)."
+    )
+
+
+def stop_timeline() -> None:
+    raise NotImplementedError("hvd.stop_timeline(): Horovod's timeline is not supported; use torch.profiler.")

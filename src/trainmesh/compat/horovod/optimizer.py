@@ -1,0 +1,287 @@
+"""hvd.DistributedOptimizer: an optimizer that all-reduces the gradients during backward, as Horovod's.
+
+Like Horovod, DistributedOptimizer(opt) returns a new optimizer of a class made for it: a subclass of opt's
+own class (so `isinstance(new, type(opt))` and `isinstance(new, torch.optim.Optimizer)` hold), built over
+opt's param_groups (the same group dicts: its learning rates and options, and what a scheduler changes in
+them). Also like Horovod, the state held by `opt` itself is not carried over; the new optimizer starts
+without state (call broadcast_optimizer_state and load checkpoints on the wrapper).
+
+How gradients travel (with more than one rank): every parameter that requires a gradient gets a
+post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook). When a parameter's gradient is
+complete (after backward_passes_per_step backward passes; the passes before accumulate locally in .grad),
+its all-reduce starts asynchronously (torch.distributed, async_op=True) while backward goes on. There is no
+tensor fusion: one all-reduce per parameter. All-reduces start in one fixed order (the parameters' reverse
+order in param_groups, the order backward usually completes them), each as soon as it and every parameter
+before it in that order are complete, so every rank issues the same collectives in the same order even when
+backward completes gradients in a different order on different ranks (torch.distributed, unlike Horovod's
+coordinator, matches collectives by order). `synchronize()` starts what has not started (a parameter
+without a gradient on this rank takes part with zeros, and gets the others' result), waits for all and
+writes the averaged gradients into .grad; `step()` synchronizes, then steps. On one rank nothing is reduced,
+as under Horovod. Where a parameter has a gradient on some ranks only, its all-reduce and the later ones start
+during backward there and in synchronize() elsewhere: another collective issued between backward and step()
+would then meet different ones on different ranks, so such a script issues its other collectives after step().
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from trainmesh.compat.horovod.basics import ReduceOp, size
+from trainmesh.compat.horovod.compression import Compression, Compressor
+from trainmesh.compat.horovod.ops import check_process_set, resolve_op
+from trainmesh.compat.horovod.rounds import Kind, register_optimizer, start_round
+
+TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+
+
+def DistributedOptimizer(  # Horovod's name, and a function that returns an optimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = ReduceOp.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: object = None,
+    sparse_as_dense: bool = False,
+    process_set: object = None,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` (see the module's docstring). `num_groups`/`groups` (Horovod's explicit fusion
+    groups) are accepted and change nothing: every gradient is its own all-reduce either way."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"hvd.DistributedOptimizer takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    reduce_op = resolve_op(op, None, "hvd.DistributedOptimizer")
+    if reduce_op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(
+            f"hvd.DistributedOptimizer(op={reduce_op.name}): gradients can be combined with hvd.Average or hvd.Sum. "
+            "Fix: op=hvd.Average (the default)."
+        )
+    if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: must be a whole number >= 1")
+    check_process_set("hvd.DistributedOptimizer", process_set)
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    wrapped: _DistributedOptimizer = object.__new__(cls)
+    init: Any = base.__init__  # the wrapped class's own constructor, over the same param groups (as Horovod)
+    init(wrapped, optimizer.param_groups)
+    wrapped.defaults = optimizer.defaults  # a group added later gets the user's defaults, not the class's
+    wrapped._hvd_setup(
+        named_parameters, compression, backward_passes_per_step, reduce_op, gradient_predivide_factor, sparse_as_dense
+    )
+    return wrapped
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The methods DistributedOptimizer mixes in before the wrapped optimizer's class. Its attributes are
+    prefixed _hvd_ so that they cannot collide with the wrapped optimizer's."""
+
+    backward_passes_per_step: int
+
+    def _hvd_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        predivide: float,
+        sparse_as_dense: bool,
+    ) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._hvd_names = _names(named_parameters, params)
+        self._hvd_compression = compression
+        self._hvd_op = op
+        self._hvd_predivide = predivide
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self._hvd_order = [p for p in reversed(params) if p.requires_grad]  # the fixed all-reduce order
+        self._hvd_slot = {p: i for i, p in enumerate(self._hvd_order)}
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        self._hvd_reset()
+        self._hvd_index = -1  # in the join registry; -1: one rank, nothing is reduced
+        if size() > 1:
+            self._hvd_index = register_optimizer(self._hvd_shadow)
+            ref = weakref.ref(self)
+            handles = [p.register_post_accumulate_grad_hook(_hook(ref)) for p in self._hvd_order]
+            weakref.finalize(self, _remove, handles)  # a dropped optimizer stops reducing
+
+    def _hvd_reset(self) -> None:
+        n = len(self._hvd_order)
+        self._hvd_delay = [self.backward_passes_per_step] * n  # backward passes left before each all-reduce
+        self._hvd_sent: list[tuple[torch.Tensor, Any, dist.Work] | None] = [None] * n
+        self._hvd_next = 0  # the first parameter (in the fixed order) whose all-reduce has not started
+        self._hvd_header: dist.Work | None = None
+        self._hvd_round_open = False
+
+    def _hvd_on_grad(self, param: torch.Tensor) -> None:
+        """A backward pass has finished accumulating `param`'s gradient."""
+        i = self._hvd_slot[param]
+        if self._hvd_delay[i] == 0:
+            raise AssertionError(TOO_MANY_PASSES)
+        self._hvd_delay[i] -= 1
+        while self._hvd_next < len(self._hvd_order) and self._hvd_delay[self._hvd_next] == 0:
+            self._hvd_send(self._hvd_next)
+            self._hvd_next += 1
+
+    def _hvd_send(self, i: int) -> None:
+        if not self._hvd_round_open:  # the round's header goes first, for ranks inside hvd.join()
+            self._hvd_header = start_round(Kind.OPTIMIZER, [self._hvd_index])
+            self._hvd_round_open = True
+        param = self._hvd_order[i]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if param.grad.is_sparse:
+            if not self._hvd_sparse_as_dense:
+                raise ValueError(
+                    f"parameter {self._hvd_names.get(param, '?')!r} has a sparse gradient; sparse all-reduces are "
+                    "not supported. Fix: hvd.DistributedOptimizer(..., sparse_as_dense=True), or a dense "
+                    "layer (nn.Embedding(..., sparse=False))."
+                )
+            param.grad = param.grad.to_dense()
+        tensor, ctx = self._hvd_compression.compress(param.grad)
+        if not tensor.is_contiguous():  # e.g. channels_last: c10d wants contiguous tensors
+            tensor = tensor.contiguous()
+        if self._hvd_predivide != 1.0:
+            tensor.mul_(1.0 / self._hvd_predivide)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        self._hvd_sent[i] = (tensor, ctx, work)
+
+    def _hvd_receive(self, i: int) -> None:
+        sent = self._hvd_sent[i]
+        assert sent is not None, i
+        tensor, ctx, work = sent
+        work.wait()
+        if self._hvd_op == ReduceOp.Average:
+            tensor.div_(size())
+            if self._hvd_predivide != 1.0:
+                tensor.mul_(self._hvd_predivide)
+        result = self._hvd_compression.decompress(tensor, ctx)
+        grad = self._hvd_order[i].grad
+        assert grad is not None
+        if result is not grad:
+            grad.copy_(result)
+
+    def _hvd_shadow(self) -> None:
+        """What a rank inside hvd.join() does for this optimizer's round: zeros for every gradient."""
+        works = []
+        for param in self._hvd_order:
+            dtype = self._hvd_compression.compress(torch.zeros((), dtype=param.dtype))[0].dtype
+            zeros = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            works.append(dist.all_reduce(zeros, op=dist.ReduceOp.SUM, async_op=True))
+        for work in works:
+            work.wait()
+
+    def _hvd_busy(self) -> bool:
+        return any(d != self.backward_passes_per_step for d in self._hvd_delay) or self._hvd_round_open
+
+    def synchronize(self) -> None:
+        """Finish the gradients' all-reduces (starting those that have not started) and write the results
+        into .grad. Call it before changing gradients (clipping, unscaling), then step() inside
+        skip_synchronize()."""
+        if self._hvd_index >= 0:
+            for i in range(self._hvd_next, len(self._hvd_order)):
+                self._hvd_send(i)
+            if self._hvd_header is not None:
+                self._hvd_header.wait()
+            for i in range(len(self._hvd_order)):
+                self._hvd_receive(i)
+            self._hvd_reset()
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """step() inside this block does not synchronize (it was done by an explicit synchronize())."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_busy():
+            raise AssertionError(ZERO_GRAD_RACE)
+        super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._hvd_reset()
+        self._hvd_synchronized = False
+        self._hvd_should_synchronize = True
+        super().load_state_dict(state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._hvd_reset()
+
+
+def _names(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None, params: list[torch.Tensor]
+) -> dict[torch.Tensor, str]:
+    """Horovod's checks of named_parameters: (name, parameter) tuples, unique names, every parameter named."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+            "model.named_parameters()."
+        )
+    counts = collections.Counter(name for name, _ in named)
+    dups = sorted(name for name, count in counts.items() if count > 1)
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    names: dict[torch.Tensor, str] = {p: name for name, p in named}
+    unnamed = [i for i, p in enumerate(params) if p not in names]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was specified, but {len(unnamed)} of the optimizer's {len(params)} parameters were "
+            f"not named (positions {unnamed[:5]} in param_groups). Fix: pass model.named_parameters() of the "
+            "model the optimizer trains, or leave named_parameters out."
+        )
+    return names
+
+
+def _hook(ref: weakref.ReferenceType[_DistributedOptimizer]) -> Callable[[torch.Tensor], None]:
+    """A parameter's hook; it holds the optimizer weakly, so that a dropped optimizer can go."""
+
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._hvd_on_grad(param)
+
+    return hook
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()

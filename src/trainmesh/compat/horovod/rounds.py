@@ -1,0 +1,165 @@
+"""Rounds: how ranks inside hvd.join() keep answering the others' all-reduces, as under Horovod.
+
+Horovod's coordinator negotiates every collective by name, so a rank that ran out of data and called
+`hvd.join()` can be told "the others are all-reducing tensor X" and contribute zeros. torch.distributed has
+no negotiation: every rank must issue the same collectives in the same order. So every collective of
+trainmesh.compat.horovod begins a *round* with a header all-reduce (SUM of HEADER_LEN int64) in which an active
+rank contributes [1, kind, fields...] and a joined rank zeros. The sum tells a joined rank how many ranks
+are active and, divided by that count, what they are about to do (every active rank sends the same
+header), so it can issue the matching collective:
+
+- ALLREDUCE (op, dtype, numel, device): it all-reduces the identity of the op (zeros for Average and Sum,
+  so Average still divides by hvd.size(), as Horovod does; +inf/-inf for Min/Max; ones for Product);
+- OPTIMIZER (registry index): a DistributedOptimizer's gradient round, shadowed by that optimizer (zeros
+  for every gradient, in its fixed order);
+- OTHER (allgather, broadcast, barrier, objects): nothing; the active ranks raise instead, as Horovod's
+  allgather and broadcast do while a rank has joined.
+
+A header of zeros means every rank has joined: join() returns on all of them. The header costs one small
+all-reduce per collective call (one per optimizer step, not one per gradient). Active ranks read its sum
+only in OTHER rounds, which wait for it before they start; the others issue their collective right behind it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.compat.horovod.basics import ReduceOp, rank, size
+
+HEADER_LEN = 8
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+TORCH_OPS = {
+    ReduceOp.Average: dist.ReduceOp.SUM,  # divided by hvd.size() afterwards
+    ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+
+
+class Kind(IntEnum):
+    OPTIMIZER = 1
+    ALLREDUCE = 2
+    OTHER = 3
+
+
+class RankJoinedError(RuntimeError):
+    """A collective that joined ranks cannot answer (Horovod raises for these too)."""
+
+
+# Each DistributedOptimizer's shadow: what a joined rank runs for that optimizer's gradient round. Indexed in
+# creation order, which is the same on every rank (the same script).
+_shadows: list[Callable[[], Callable[[], None] | None]] = []
+
+
+def register_optimizer(shadow: Callable[[], None]) -> int:
+    """Register a bound method that shadows one gradient round; returns the index its headers carry."""
+    _shadows.append(weakref.WeakMethod(shadow))
+    return len(_shadows) - 1
+
+
+def control_device() -> torch.device:
+    """Where headers live: the CPU when the group has gloo (or MPI) for it, else this rank's GPU (NCCL only)."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPES:
+        raise ValueError(f"tensors of dtype {dtype} are not supported; supported: {', '.join(map(str, DTYPES))}")
+    return DTYPES.index(dtype)
+
+
+def start_round(kind: Kind, fields: Sequence[int] = (), what: str = "") -> dist.Work | None:
+    """Send this active rank's header. OTHER rounds wait for the sum and raise RankJoinedError when a rank has
+    joined (`what`: the call, for the message); the others return the header's pending work (None on one rank)."""
+    if size() == 1:
+        return None
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = 1, int(kind)
+    header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+    header = header.to(control_device())
+    if kind != Kind.OTHER:
+        return dist.all_reduce(header, async_op=True)
+    dist.all_reduce(header)
+    active = int(header[0])
+    if active < size():
+        raise RankJoinedError(
+            f"{what}: {size() - active} of {size()} ranks have called hvd.join(), and a joined rank can only take "
+            "part in all-reduces (hvd.allreduce, DistributedOptimizer steps), as under Horovod. Fix: call it "
+            "after hvd.join() has returned on every rank."
+        )
+    return None
+
+
+def join(device: int = -1) -> int:
+    """Horovod's hvd.join(): this rank has no more data. Until every rank has called it, take part in the
+    others' all-reduces with zeros. Returns the rank that joined last (the highest one, when several joined
+    in the same round): its model has seen every step, so `hvd.broadcast_parameters(model.state_dict(),
+    root_rank=hvd.join())` gives every rank the final weights. `device` is accepted for Horovod's signature."""
+    if size() == 1:
+        return 0
+    sat_out = 0  # rounds this rank answered while joined; 0 for the ranks that joined last
+    where = control_device()
+    while True:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=where)
+        dist.all_reduce(header)
+        active = int(header[0])
+        if active == 0:
+            break
+        sat_out += 1
+        kind, *fields = (int(v) // active for v in header[1:].tolist())
+        if kind == Kind.ALLREDUCE:
+            _answer_allreduce(ReduceOp(fields[0]), DTYPES[fields[1]], fields[2], fields[3])
+        elif kind == Kind.OPTIMIZER:
+            shadow = _shadows[fields[0]]() if fields[0] < len(_shadows) else None
+            if shadow is None:
+                raise RuntimeError(
+                    f"hvd.join(): the other ranks are stepping DistributedOptimizer #{fields[0]}, which this rank "
+                    "does not have (any more). Fix: create the same DistributedOptimizers on every rank and keep "
+                    "them until hvd.join() returns."
+                )
+            shadow()
+        # Kind.OTHER: the active ranks raise RankJoinedError; nothing to answer
+    last = torch.tensor([rank() if sat_out == 0 else -1], dtype=torch.int64, device=where)
+    dist.all_reduce(last, op=dist.ReduceOp.MAX)
+    return int(last.item())
+
+
+def _answer_allreduce(op: ReduceOp, dtype: torch.dtype, numel: int, device_code: int) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if device_code else torch.device("cpu")
+    dist.all_reduce(identity(op, dtype, (numel,), device), op=TORCH_OPS[op])
+
+
+def identity(op: ReduceOp, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    """What a joined rank contributes: the value that leaves the others' reduction unchanged (Average, as
+    Horovod's, still divides by hvd.size())."""
+    if op in (ReduceOp.Min, ReduceOp.Max):
+        if dtype.is_floating_point:
+            low, high = float("-inf"), float("inf")
+        else:
+            low, high = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+        return torch.full(tuple(shape), high if op == ReduceOp.Min else low, dtype=dtype, device=device)
+    if op == ReduceOp.Product:
+        return torch.ones(tuple(shape), dtype=dtype, device=device)
+    return torch.zeros(tuple(shape), dtype=dtype, device=device)

@@ -1,1 +1,0 @@
-"""`trainmesh check --parity`: two trainings compared step by step (command.py), per quantity (compare.py)."""

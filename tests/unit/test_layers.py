@@ -1,4 +1,5 @@
-"""The layers of trainmesh (docs/concepts.md): imports point down only, so no two packages import each other.
+"""The layers of trainmesh (docs/concepts.md): imports point down only, so no two packages import each other; and
+the process environment is read in core/env.py only.
 
 Every `trainmesh` import in the source counts, lazy ones inside functions too; only imports under
 `if TYPE_CHECKING:` (annotations, never run) are left out.
@@ -91,3 +92,40 @@ def test_the_check_catches_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         test_imports_point_down_only()
     (tmp_path / "strategies" / "m.py").write_text("if TYPE_CHECKING:\n    import trainmesh.runtime\n")
     test_imports_point_down_only()  # annotations only: allowed
+
+
+ENVIRONMENT_READERS = {"core/env.py", "launch/spawn.py"}  # spawn.py: a forked test rank's whole environment
+_ENV_NAMES = {"environ", "environb", "getenv", "putenv", "unsetenv"}
+
+
+def _environment_uses(path: Path) -> list[int]:
+    """Lines of `path` that touch the process environment directly (os.environ, os.getenv, ...)."""
+    tree = ast.parse(path.read_text(), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _ENV_NAMES:
+            if isinstance(node.value, ast.Name) and node.value.id == "os":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            lines += [node.lineno for a in node.names if a.name in _ENV_NAMES]
+    return lines
+
+
+def test_the_environment_is_read_in_one_place() -> None:
+    """Every variable trainmesh reads goes through core/env.py (read_var, var_is_set, vars_set, ...)."""
+    found = [
+        f"{path.relative_to(SRC)}:{line}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.relative_to(SRC).as_posix() not in ENVIRONMENT_READERS
+        for line in _environment_uses(path)
+    ]
+    assert not found, "read the environment through trainmesh.core.env instead:\n" + "\n".join(found)
+
+
+def test_the_environment_check_catches_a_direct_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "m.py").write_text("import os\nx = os.environ.get('RANK')\n")
+    (tmp_path / "train" / "n.py").write_text("from os import getenv\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    with pytest.raises(AssertionError, match=r"train/m.py:2\n\s*train/n.py:1"):
+        test_the_environment_is_read_in_one_place()

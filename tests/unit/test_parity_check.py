@@ -205,8 +205,8 @@ def test_b_again_is_nudged_so_the_check_measures_a_spread(
 ) -> None:
     """The three runs trained in this process (one process each): B again must get its noise, else the spread is
     0 and every tolerance falls to the floor (a CPU run repeated as it was is exact)."""
-    from trainmesh.cli import parity as command
     from trainmesh.cli import main
+    from trainmesh.cli import parity as command
     from trainmesh.job.worker import run_worker
 
     def launch_here(opts: Any, jobs: Any, job: Any, run_dir: Path, launch_id: str) -> int:

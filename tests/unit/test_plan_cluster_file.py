@@ -14,9 +14,9 @@ import pytest
 
 from support import nano_toml
 from trainmesh.apps.plan import cluster as cluster_module
-from trainmesh.cli import plan as command_module
 from trainmesh.apps.plan.cluster import PRESETS, Cost, get_cluster, load_calibration, save_calibration
 from trainmesh.cli import main
+from trainmesh.cli import plan as command_module
 from trainmesh.cli.plan import read_cluster_file
 from trainmesh.config import ConfigError
 

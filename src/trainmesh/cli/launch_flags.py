@@ -4,9 +4,10 @@ from torchrun's PET_<FLAG> variable when left out (argparse only: the parser sta
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any
+
+from trainmesh.core.env import read_var, var_is_set
 
 
 class BadEnvironmentValue(str):
@@ -23,7 +24,7 @@ def _or_from_environment(convert: Callable[[str], Any], variable: str, flag: str
         try:
             return convert(value)
         except ValueError:
-            if value != os.environ.get(variable):
+            if not var_is_set(variable) or value != read_var(variable):
                 raise
             return BadEnvironmentValue(
                 f"{variable}={value!r}, from the environment (a launch flag left out is read from PET_<FLAG>, as "
@@ -59,7 +60,8 @@ def add_launch_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
         if not defaults:
             default = argparse.SUPPRESS
         elif torchrun:
-            default = os.environ.get(f"PET_{dest.upper()}", default)  # argparse applies type= to it
+            variable = f"PET_{dest.upper()}"
+            default = read_var(variable) if var_is_set(variable) else default  # argparse applies type= to it
         g.add_argument(f"--{name}", *([f"--{dest}"] if dest != name else []), default=default, **kwargs)
 
     flag("nproc-per-node", "auto", help="processes per node: N or auto (all GPUs, else 2)")

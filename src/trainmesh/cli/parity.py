@@ -22,7 +22,6 @@ import dataclasses
 import datetime as dt
 import json
 import math
-import os
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from trainmesh.apps.parity.compare import Comparison, ParityError, compare, read
 from trainmesh.apps.parity.report import report_text
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.loader import config_to_dict
+from trainmesh.core.env import vars_set
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import write_atomically
 from trainmesh.core.logging import get_logger
@@ -285,18 +285,9 @@ def _launch(opts: LaunchOptions, side: Side, parity_dir: Path, name: str, launch
 def _probe_on(record: Path, nudge: bool) -> Iterator[None]:
     """The environment the side's workers inherit: the probe's file, whether to nudge the gradients (B again), and
     one thread per rank unless set (the same kernels, so the same order of floating-point sums, in every run)."""
-    saved = {key: os.environ.get(key) for key in (ENV_VAR, NUDGE_VAR, "OMP_NUM_THREADS")}
-    os.environ[ENV_VAR] = str(record.resolve())
-    os.environ[NUDGE_VAR] = "1" if nudge else "0"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
+    values = {ENV_VAR: str(record.resolve()), NUDGE_VAR: "1" if nudge else "0"}
+    with vars_set(values, defaults={"OMP_NUM_THREADS": "1"}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _write_json(parity_dir: Path, args: argparse.Namespace, a: Side, b: Side, comparison: Comparison) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import random
 import socket
 import time
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainmesh.core.env import DistEnv, free_port
+from trainmesh.core.env import DistEnv, free_port, read_var, restart_count, set_var, set_var_default, var_is_set
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 
@@ -44,7 +43,7 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
         if env.local_rank >= count:
             raise DeviceError(
                 f"LOCAL_RANK={env.local_rank} but only {count} GPU(s) are visible on this node "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
+                f"(CUDA_VISIBLE_DEVICES={read_var('CUDA_VISIBLE_DEVICES', 'unset')}). "
                 f"Fix: --nproc-per-node {count} (or 'auto')."
             )
         return torch.device("cuda", env.local_rank)
@@ -123,16 +122,16 @@ def init_process_group(
     if not (env.is_distributed or required):
         return False
     if env.source == "single":
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        set_var_default("MASTER_ADDR", "127.0.0.1")
+        set_var_default("MASTER_PORT", str(free_port()))
     for key, value in env.export().items():  # SLURM: give env:// what torchrun would have set
-        os.environ.setdefault(key, value)
+        set_var_default(key, value)
     if debug != "off":
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug.upper()
+        set_var("TORCH_DISTRIBUTED_DEBUG", debug.upper())
         dist.set_debug_level_from_env()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    addr, port = read_var("MASTER_ADDR"), int(read_var("MASTER_PORT"))
     log.debug("init_process_group backend=%s world=%d master=%s:%d", backend, env.world_size, addr, port)
     try:
         dist.init_process_group(
@@ -185,7 +184,7 @@ def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client
     different nodes would look for each other under different prefixes and never meet.
     `client`: one more connection to a store that already runs (for a background thread).
     """
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent_hosts_it = read_var("TORCHELASTIC_USE_AGENT_STORE").lower() == "true"
     store: dist.Store
     if env.rank == 0 and not agent_hosts_it and not client and is_loopback(addr):
         store = loopback_store(port, timeout, env.world_size)
@@ -194,7 +193,7 @@ def attempt_store(addr: str, port: int, env: DistEnv, timeout: timedelta, client
         store = dist.TCPStore(addr, port, None if client else env.world_size, is_master=is_master, timeout=timeout)
     if not agent_hosts_it:
         return store
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = str(restart_count())
     return dist.PrefixStore(f"trainmesh/attempt-{attempt}", store)
 
 
@@ -237,12 +236,12 @@ def store_client(namespace: str, timeout_s: float = 60.0) -> dist.Store | None:
     """A new connection to this job's store, its keys under `namespace`; None without a process group."""
     if not dist.is_initialized():
         return None
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # set up by other means (tcp://, a file)
+    if not (var_is_set("MASTER_ADDR") and var_is_set("MASTER_PORT")):  # set up by other means (tcp://, a file)
         log.debug("no MASTER_ADDR/MASTER_PORT: the process group's store is not known, no store client (%s)", namespace)
         return None
     env = current_env()
     store = attempt_store(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env, timedelta(seconds=timeout_s), client=True
+        read_var("MASTER_ADDR"), int(read_var("MASTER_PORT")), env, timedelta(seconds=timeout_s), client=True
     )
     return dist.PrefixStore(namespace, store)
 
@@ -276,7 +275,7 @@ def seed_everything(seed: int) -> None:
 def set_deterministic(enabled: bool) -> None:
     """Deterministic kernels (bit-reproducible runs) at some speed cost."""
     if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        set_var_default("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if enabled != torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: 0.6 s
         torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.benchmark = not enabled

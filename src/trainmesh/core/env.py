@@ -22,11 +22,13 @@ world size are the group's: `from_process_group`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import hostlist
 
@@ -292,3 +294,65 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+# The process environment is read and changed here only (and in launch/spawn.py, which gives a forked test rank
+# its whole environment): every other module asks for a variable by name, so what trainmesh reads from the
+# environment is listed by `grep -rn 'read_var(\|var_is_set(' src`. tests/unit/test_layers.py keeps it so.
+
+
+def read_var(name: str, default: str = "") -> str:
+    """The variable `name`, or `default` when unset."""
+    return os.environ.get(name, default)
+
+
+def var_is_set(name: str) -> bool:
+    return name in os.environ
+
+
+def current_vars() -> Mapping[str, str]:
+    """The whole environment, as it is now (read it, never change it)."""
+    return os.environ
+
+
+def vars_with_prefix(prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Every variable whose name starts with one of `prefixes`, sorted (for `trainmesh env`)."""
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))
+
+
+def restart_count() -> int:
+    """How often torchrun's agent on this node has restarted its workers (TORCHELASTIC_RESTART_COUNT; 0: the
+    first start, or no torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def cache_home() -> Path:
+    """Where per-user caches go: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def set_var_default(name: str, value: str) -> str:
+    """Set `name` for this process and its children unless it is set; its value."""
+    return os.environ.setdefault(name, value)
+
+
+def set_var(name: str, value: str) -> None:
+    os.environ[name] = value
+
+
+@contextlib.contextmanager
+def vars_set(values: Mapping[str, str], defaults: Mapping[str, str] | None = None) -> Iterator[None]:
+    """`values` (and `defaults` where unset) in the environment the processes started inside inherit; every
+    variable as it was afterwards."""
+    defaults = {k: v for k, v in (defaults or {}).items() if k not in os.environ}
+    before = {key: os.environ.get(key) for key in [*values, *defaults]}
+    os.environ.update({**defaults, **values})
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

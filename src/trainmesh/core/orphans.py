@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import psutil
 
+from trainmesh.core.env import current_vars
 from trainmesh.core.logging import get_logger
 
 log = get_logger(__name__)
@@ -72,7 +73,7 @@ def watch_parent(parent: int, interval_s: float = WATCH_INTERVAL_S) -> threading
 def end_with_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     """What a worker applies to itself, by the launcher its environment names; returns that launcher. Nothing
     without one: started from a shell, a run left to go on under nohup must go on."""
-    env = os.environ if environ is None else environ
+    env = current_vars() if environ is None else environ
     launcher = launcher_of(env)
     if launcher is not None:
         given = env.get(LAUNCHER_PID, "") if launcher == "torchrun" else ""  # only trainmesh run's agent sets it

@@ -8,6 +8,7 @@ import platform
 import torch
 import torch.distributed as dist
 
+from trainmesh.core.env import vars_with_prefix
 from trainmesh.core.versions import versions
 
 ENV_PREFIXES = (
@@ -66,7 +67,7 @@ def environment_report() -> str:
     ):
         lines.append(f"  {name:<5} {'yes' if available else 'no'}")
     lines += ["", "distributed environment variables:"]
-    found = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))
+    found = vars_with_prefix(ENV_PREFIXES)
     lines += [f"  {k}={v}" for k, v in found] or ["  (none set: a plain single process)"]
     return "\n".join(lines)
 

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainmesh.core.env import cache_home
 from trainmesh.core.files import replace_folder
 from trainmesh.core.logging import get_logger
 from trainmesh.core.machine import available_cpus
@@ -71,7 +72,7 @@ class TokenCorpus:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = str(cache_home())
     return Path(base) / "trainmesh"
 
 

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config
 from trainmesh.core.dist import select_device
-from trainmesh.core.env import DistEnv
+from trainmesh.core.env import DistEnv, read_var
 from trainmesh.core.files import make_dirs, read_bytes
 from trainmesh.job.resolve import Job, check_data, resolve
 from trainmesh.job.rundir import (
@@ -38,7 +37,7 @@ log = logging.getLogger("trainmesh")
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The launch flags of `run`, `check` and `bench` (cli/launch_flags.py, which also reads torchrun's PET_
     variables) as LaunchOptions."""
-    backend = os.environ.get("PET_RDZV_BACKEND", "c10d")
+    backend = read_var("PET_RDZV_BACKEND", "c10d")
     if backend not in ("c10d", "static"):  # set by Kubeflow's training operator from elasticPolicy.rdzvBackend
         raise LaunchError(
             f"PET_RDZV_BACKEND={backend!r}: trainmesh meets through torch's c10d rendezvous (with --rdzv-endpoint) "

@@ -10,7 +10,6 @@ import argparse
 import hashlib
 import logging
 import math
-import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainmesh.config import Config, ConfigError
 from trainmesh.config.schema import RUN_ID
 from trainmesh.core.dist import current_env, store_client
-from trainmesh.core.env import DistEnv, launcher_rank
+from trainmesh.core.env import DistEnv, launcher_rank, restart_count
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging, get_logger
 from trainmesh.job.resolve import Job, load_config, resolve
@@ -73,7 +72,7 @@ def run_worker(
     """
     env = env or current_env()  # a process group set up already (by Ray Train, say) is adopted: its rank and size
     job = resolve(config, env.world_size, recipe=recipe)  # the real world size, e.g. under srun
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
     runtime = job.runtime(env)
     lock: RunLock | None = None
     worker_lock: IO[Any] | None = None

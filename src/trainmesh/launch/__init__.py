@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
 from trainmesh.core.dist import is_loopback, loopback_store
+from trainmesh.core.env import vars_set
 from trainmesh.core.logging import get_logger
 from trainmesh.core.orphans import LAUNCHER_PID
 from trainmesh.launch.exit_records import read_records, records_folder
@@ -127,15 +128,5 @@ def _agent_environment(opts: LaunchOptions) -> Iterator[None]:
     """The environment torchrun's agent runs in (and passes on to the workers): its own pid, which each worker
     watches (core/orphans.py), and NO_SHARED_STORE for the c10d rendezvous (a value already set wins)."""
     values = {LAUNCHER_PID: str(os.getpid())}
-    if opts.rdzv_endpoint and NO_SHARED_STORE not in os.environ:
-        values[NO_SHARED_STORE] = "1"
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
+    with vars_set(values, defaults={NO_SHARED_STORE: "1"} if opts.rdzv_endpoint else None):
         yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

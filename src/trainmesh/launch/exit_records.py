@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainmesh.core.env import read_var, vars_set
+
 ENV_VAR = "TRAINMESH_EXIT_RECORDS"
 _PREFIX = "local_rank_"
 
@@ -43,15 +45,10 @@ def records_folder() -> Iterator[Path]:
     """The launcher's side: a fresh folder, named to the workers it starts while inside (by the environment
     they inherit), removed afterwards."""
     folder = Path(tempfile.mkdtemp(prefix="trainmesh-exits-"))
-    previous = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = str(folder)
     try:
-        yield folder
+        with vars_set({ENV_VAR: str(folder)}):
+            yield folder
     finally:
-        if previous is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = previous
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -84,7 +81,7 @@ def record_exit(code: int, *, stopped_with_checkpoint: bool) -> None:
 
 
 def _write(code: int | None, stopped_with_checkpoint: bool) -> None:
-    folder, local_rank, rank = (os.environ.get(key, "") for key in (ENV_VAR, "LOCAL_RANK", "RANK"))
+    folder, local_rank, rank = (read_var(key) for key in (ENV_VAR, "LOCAL_RANK", "RANK"))
     if not folder or not local_rank.isdigit() or not rank.isdigit():
         return
     path = Path(folder) / f"{_PREFIX}{local_rank}"

@@ -4,7 +4,6 @@ command line they make."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import socket
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 
 from trainmesh.core.dist import is_loopback
-from trainmesh.core.env import free_port
+from trainmesh.core.env import free_port, var_is_set
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.core.signals import signals_held
@@ -117,7 +116,7 @@ class LaunchOptions:
             if not self.master_addr or not self.master_port:
                 # A PyTorchJob with a Master replica: the operator sets MASTER_ADDR/MASTER_PORT, not torchrun's
                 # PET_MASTER_ADDR/PET_MASTER_PORT (training-operator's envvar.go), so they are passed by hand.
-                kubeflow = "PET_NNODES" in os.environ and "MASTER_ADDR" in os.environ
+                kubeflow = var_is_set("PET_NNODES") and var_is_set("MASTER_ADDR")
                 raise LaunchError(
                     f"--nnodes={self.nnodes} needs --master-addr and --master-port (static rendezvous: every node "
                     "passes the same address of node 0 and its own --node-rank) or --rdzv-endpoint HOST:PORT."
@@ -138,7 +137,7 @@ class LaunchOptions:
         """How long a host name may take to resolve: in a Kubernetes pod, the other pods' names (a headless
         service's records) appear only as those pods start, so up to --join-timeout; elsewhere a name that does
         not resolve is a mistake, refused at once."""
-        return float(self.join_timeout_s) if IN_KUBERNETES in os.environ else 0.0
+        return float(self.join_timeout_s) if var_is_set(IN_KUBERNETES) else 0.0
 
     def rendezvous_id(self) -> str | None:
         """The c10d job id: given, or derived from the endpoint every node was told (so they agree)."""

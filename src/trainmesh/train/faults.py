@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from trainmesh.core.env import read_var
 from trainmesh.core.files import make_dirs, open_file
 
 ENV_VAR = "TRAINMESH_FAULT"
@@ -77,7 +78,7 @@ class FaultPlan:
 
     @classmethod
     def from_environ(cls, rank: int, run_dir: Path) -> FaultPlan:
-        return cls(parse_faults(os.environ.get(ENV_VAR, "")), rank, run_dir)
+        return cls(parse_faults(read_var(ENV_VAR)), rank, run_dir)
 
     @classmethod
     def none(cls) -> FaultPlan:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from trainmesh.core.env import read_var
 from trainmesh.core.files import open_file
 from trainmesh.runtime.runtime import Runtime
 
@@ -120,8 +120,8 @@ class ParityProbe:
     @classmethod
     def from_environ(cls) -> ParityProbe | None:
         """The probe the parity command asked for, or None (normal runs)."""
-        path = os.environ.get(ENV_VAR, "")
-        return cls(Path(path), nudge=os.environ.get(NUDGE_VAR) == "1") if path else None
+        path = read_var(ENV_VAR)
+        return cls(Path(path), nudge=read_var(NUDGE_VAR) == "1") if path else None
 
     def before_step(self, runtime: Runtime, model: nn.Module) -> None:
         """Before the first step's forward: the run's header, the initial weights, and the order hooks."""

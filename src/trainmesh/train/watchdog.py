@@ -39,6 +39,7 @@ from typing import IO
 
 import torch.distributed as dist
 
+from trainmesh.core.env import restart_count
 from trainmesh.core.errors import EXIT_STALLED
 from trainmesh.core.files import make_dirs, open_file, write_atomically
 from trainmesh.core.logging import get_logger
@@ -278,7 +279,7 @@ def _checked(beat: Heartbeat) -> Heartbeat:
 
 def attempt_label() -> str:
     """This attempt's folder name under `<run>/stalls`: when it started, and torchrun's restart count."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = str(restart_count())
     return f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-attempt_{restart}"
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from trainmesh.config import Config, ConfigError
+from trainmesh.core.env import read_var, vars_set
 from trainmesh.core.errors import UserError
 from trainmesh.job.resolve import Job, load_config, resolve
 from trainmesh.strategies import resolve_parallelism
@@ -109,7 +110,7 @@ class Machine:
 
 
 def _threads_per_rank() -> int:
-    raw = os.environ.get("OMP_NUM_THREADS", "")
+    raw = read_var("OMP_NUM_THREADS")
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
@@ -128,15 +129,8 @@ def _cpu_name() -> str:
 def rank_threads(machine: Machine) -> Iterator[None]:
     """Every point's ranks run with the same OMP_NUM_THREADS. torchrun sets 1 only when it starts several
     processes, so without this the 1-process point would use every core and the baseline would be unfair."""
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(machine.threads_per_rank)
-    try:
+    with vars_set({"OMP_NUM_THREADS": str(machine.threads_per_rank)}):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
 
 
 def choose_counts(counts: list[int] | None, nproc_per_node: str, machine: Machine, oversubscribe: bool) -> list[int]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from trainmesh.core.env import cache_home
 from trainmesh.core.files import write_atomically
 
 GB, GiB = 1e9, 2**30
@@ -177,7 +177,7 @@ CLUSTERS = (*PRESETS, "this")
 
 def calibration_path() -> Path:
     """Where `plan --calibrate` saves this machine's figures unless --calibration names a file."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = str(cache_home())
     return Path(base) / "trainmesh" / "plan-calibration.json"
 
 

@@ -209,8 +209,8 @@ def test_b_again_is_nudged_so_the_check_measures_a_spread(
     from trainmesh.cli import parity as command
     from trainmesh.job.worker import run_worker
 
-    def launch_here(opts: Any, jobs: Any, job: Any, run_dir: Path, launch_id: str) -> int:
-        run_worker(job.config, run_dir)  # the probe reads the environment the launch would pass on
+    def launch_here(opts: Any, jobs: Any, job: Any, folder: Any) -> int:
+        run_worker(job.config, folder.path)  # the probe reads the environment the launch would pass on
         return 0
 
     monkeypatch.setattr(command, "launch_into", launch_here)

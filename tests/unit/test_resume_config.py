@@ -1,5 +1,5 @@
-"""What a resume starts from (trainmesh.job.resume), how a run's config.toml is replaced (rundir.commit_config), and the
-launch flags a printed resume command repeats (cli.flags.relaunch_tokens)."""
+"""What a resume starts from (trainmesh.job.resume), how a run's config.toml is replaced (RunFolder.commit_config), and
+the launch flags a printed resume command repeats (cli.flags.relaunch_tokens)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from trainmesh.cli.flags import relaunch_tokens
 from trainmesh.config import ConfigError, dump_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.job.resume import RunStart, load_run_config
-from trainmesh.job.rundir import CONFIG_FILE, commit_config, record_new_run
+from trainmesh.job.rundir import CONFIG_FILE, RunFolder
 
 
 def _recorded_run(root: Path, *overrides: str, step: int = 4) -> Path:
@@ -109,15 +109,15 @@ def test_a_finished_run_is_recognised(tmp_path: Path) -> None:
 
 
 def test_config_toml_is_replaced_keeping_the_one_it_replaces(tmp_path: Path) -> None:
-    first = nano_config(tmp_path)
-    commit_config(tmp_path, first, 0)
-    commit_config(tmp_path, dataclasses.replace(first), 4)  # the same config: no history
+    first, folder = nano_config(tmp_path), RunFolder(tmp_path)
+    folder.commit_config(first, 0)
+    folder.commit_config(dataclasses.replace(first), 4)  # the same config: no history
     assert not (tmp_path / "config_history").exists()
     longer = nano_config(tmp_path, "--train.max_steps=8")
     original = (tmp_path / CONFIG_FILE).read_bytes()
-    commit_config(tmp_path, longer, 4)
+    folder.commit_config(longer, 4)
     assert (tmp_path / "config_history" / "step_00000004.toml").read_bytes() == original
-    commit_config(tmp_path, nano_config(tmp_path, "--train.max_steps=9"), 4)  # again from step 4
+    folder.commit_config(nano_config(tmp_path, "--train.max_steps=9"), 4)  # again from step 4
     assert (tmp_path / "config_history" / "step_00000004-2.toml").is_file()
     assert "max_steps = 9" in (tmp_path / CONFIG_FILE).read_text()
 
@@ -182,9 +182,9 @@ def test_a_record_from_another_version_loads_without_what_it_does_not_know(
 
 
 def test_a_new_run_is_recorded_once_and_never_over_an_existing_record(tmp_path: Path) -> None:
-    record_new_run(tmp_path, nano_config(tmp_path))
+    RunFolder(tmp_path).record_new_run(nano_config(tmp_path))
     first = (tmp_path / CONFIG_FILE).read_bytes()
-    record_new_run(tmp_path, nano_config(tmp_path, "--train.max_steps=99"))
+    RunFolder(tmp_path).record_new_run(nano_config(tmp_path, "--train.max_steps=99"))
     assert (tmp_path / CONFIG_FILE).read_bytes() == first
 
 

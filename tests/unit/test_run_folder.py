@@ -23,8 +23,9 @@ from trainmesh.checkpoint.catalog import LATEST, make_checkpoint_root, write_lat
 from trainmesh.cli import main
 from trainmesh.core.files import UnsafePathError, make_dirs, open_file, write_atomically
 from trainmesh.job import rundir
+from trainmesh.job.locks import RunLock, hold_as_worker
 from trainmesh.job.resolve import load_config
-from trainmesh.job.rundir import RunFolderError, RunLock, claim_new_run_dir, existing_run_dir, hold_as_worker
+from trainmesh.job.rundir import RunFolder, RunFolderError
 from trainmesh.job.worker import run_worker
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
 
@@ -87,10 +88,10 @@ def test_default_names_are_unique_within_a_second(tmp_path: Path, monkeypatch: p
             return cls(2026, 11, 23, 5, 30, 0)
 
     monkeypatch.setattr(rundir.dt, "datetime", Frozen)
-    made = [claim_new_run_dir(tmp_path, "gpt") for _ in range(3)]  # three launches in the same second
+    made = [RunFolder.new(tmp_path, "gpt").path for _ in range(3)]  # three launches in the same second
     assert [p.name for p in made] == ["gpt-20261123-053000", "gpt-20261123-053000-2", "gpt-20261123-053000-3"]
     with pytest.raises(RunFolderError, match="nothing to resume"):
-        existing_run_dir(tmp_path, "gpt-none")
+        RunFolder.existing(tmp_path, "gpt-none")
 
 
 _HOLDER = """
@@ -289,17 +290,17 @@ def test_torchrun_spellings_of_the_launch_flags_are_accepted(capsys: pytest.Capt
 def test_a_node_restarted_later_may_resume_where_the_first_start_did_not(tmp_path: Path) -> None:
     """The nodes of one job compare their configs, except checkpoint.resume: a pod restarted after checkpoints
     exist resumes (--auto-resume) while the config written by the first start says resume = false."""
-    from trainmesh.job.launcher import _write_or_match_config
     from trainmesh.job.resolve import load_config, resolve
     from trainmesh.launch import LaunchError
 
     def job(*overrides: str) -> Any:
         return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)
 
-    _write_or_match_config(tmp_path, job(), "j1", joined=False)  # the first start writes resume = false
-    _write_or_match_config(tmp_path, job("--checkpoint.resume=true"), "j1", joined=True)
+    node = RunFolder(tmp_path, "j1")
+    node.write_launch_config(job().config)  # the first start writes resume = false
+    node.match_launch_config(job("--checkpoint.resume=true").config)
     with pytest.raises(LaunchError, match=r"different config \(this node has: lr = 0.001\)"):
-        _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), "j1", joined=True)
+        node.match_launch_config(job("--optim.lr=1e-3").config)
 
 
 def test_a_joining_node_waits_for_its_own_launchs_config_not_an_earlier_ones(
@@ -309,14 +310,13 @@ def test_a_joining_node_waits_for_its_own_launchs_config_not_an_earlier_ones(
     folder: a node that joins compares with its own launch's file, written by the node holding the lock."""
     import threading
 
-    from trainmesh.job.launcher import _write_or_match_config
     from trainmesh.job.resolve import load_config, resolve
 
     def job(*overrides: str) -> Any:
         return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)
 
-    _write_or_match_config(tmp_path, job("--optim.lr=1e-3"), "before", joined=False)  # the launch before
-    writer = threading.Timer(0.5, lambda: _write_or_match_config(tmp_path, job(), "now", joined=False))
+    RunFolder(tmp_path, "before").write_launch_config(job("--optim.lr=1e-3").config)  # the launch before
+    writer = threading.Timer(0.5, lambda: RunFolder(tmp_path, "now").write_launch_config(job().config))
     writer.start()
-    _write_or_match_config(tmp_path, job(), "now", joined=True)  # waits for "now", then matches
+    RunFolder(tmp_path, "now").match_launch_config(job().config)  # waits for "now", then matches
     writer.join()

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
-import re
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,7 +52,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 from trainmesh.job.launcher import check_launch, launch_into, launch_options
 from trainmesh.job.resolve import Job, load_config
-from trainmesh.job.rundir import RunLock, claim_new_run_dir, create_run_dir, new_job_id
+from trainmesh.job.rundir import RunFolder
 from trainmesh.launch import LaunchOptions
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 
@@ -78,11 +77,12 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     extra = timing_overrides(args.steps, args.warmup)
     points = plan_points(args.config, overrides, args.target, modes, counts, low, extra)
     # Everything is checked: from here on the bench writes.
-    bench_dir, launch_id = _claim_folder(config, opts)
+    folder = _claim_folder(config, opts)
+    bench_dir = folder.path
     log.info("bench folder: %s; %s", bench_dir, _plan_line(points, modes, args))
-    with RunLock(bench_dir, launch_id) as lock, rank_threads(machine):
-        codes, loads = _run_points(points, opts, bench_dir, launch_id, machine)
-        if lock.joined:  # a node of a multi-node bench whose folder another node holds: that node reports
+    with folder, rank_threads(machine):
+        codes, loads = _run_points(points, opts, bench_dir, folder.job_id, machine)
+        if folder.joined:  # a node of a multi-node bench whose folder another node holds: that node reports
             log.info("the node holding %s writes the report", bench_dir)
             return _first_failure(codes.values())
         ran = [bench_dir / name / METRICS_FILE for name, code in codes.items() if code == 0]
@@ -108,22 +108,21 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     return _first_failure(codes.values()) or (1 if failed else 0)
 
 
-def _claim_folder(config: Config, opts: LaunchOptions) -> tuple[Path, str]:
-    """The bench folder (named like a run folder) and the launch id its lock is held under. The nodes of a
+def _claim_folder(config: Config, opts: LaunchOptions) -> RunFolder:
+    """The bench folder (named like a run folder), with the launch id its lock is held under. The nodes of a
     multi-node bench derive both from what they share, as `trainmesh run` does."""
     out_dir, name, recipe = Path(config.run.out_dir), config.run.id, config.run.recipe
     suffix = opts.default_run_suffix()
     if suffix:
-        name = name or f"{recipe}-bench-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
-        return create_run_dir(out_dir, name), suffix
+        return RunFolder.named(out_dir, name or RunFolder.shared_name(f"{recipe}-bench", suffix), job_id=suffix)
     if name:
         if (out_dir / name).exists():
             raise BenchError(
                 f"--run-id {name}: {out_dir / name} already exists, and a bench writes new run folders. Fix: another "
                 "--run-id, or leave it out for a new <recipe>-bench-<date>-<time> folder."
             )
-        return create_run_dir(out_dir, name), new_job_id()
-    return claim_new_run_dir(out_dir, f"{recipe}-bench"), new_job_id()
+        return RunFolder.named(out_dir, name)
+    return RunFolder.new(out_dir, f"{recipe}-bench")
 
 
 def _plan_line(points: list[Point], modes: tuple[str, ...], args: argparse.Namespace) -> str:
@@ -164,7 +163,7 @@ def _launch_point(point: Point, opts: LaunchOptions, bench_dir: Path, name: str,
     """Run one point's job into `bench_dir/name`, as `trainmesh run` would; its exit code."""
     job = _placed(point.job, bench_dir, name)
     try:
-        return launch_into(opts, [job], job, create_run_dir(bench_dir, name), f"{launch_id}-{name}")
+        return launch_into(opts, [job], job, RunFolder.named(bench_dir, name, f"{launch_id}-{name}"))
     except UserError as e:  # e.g. a port in use: this point fails, the others may still run
         log.error("%s", e)
         return EXIT_USER_ERROR

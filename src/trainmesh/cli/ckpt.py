@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.checkpoint.catalog import CHECKPOINT_DIR
-from trainmesh.job.rundir import RunLock, new_job_id
+from trainmesh.job.rundir import RunFolder
 from trainmesh.recipes import get_recipe
 
 log = logging.getLogger("trainmesh")
@@ -71,7 +71,7 @@ def _upgrade(checkpoints: list[Path]) -> int:
 
     folder = checkpoints[0].parent
     in_run = folder.name == CHECKPOINT_DIR  # a checkpoint copied elsewhere has no run folder to lock
-    with RunLock(folder.parent, new_job_id()) if in_run else contextlib.nullcontext():
+    with RunFolder(folder.parent) if in_run else contextlib.nullcontext():
         for ckpt in checkpoints:
             changes = upgrade_checkpoint(ckpt, convert)
             print(f"upgraded {ckpt}:" if changes else f"current  {ckpt} (nothing to convert)")

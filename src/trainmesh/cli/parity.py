@@ -38,7 +38,7 @@ from trainmesh.core.files import write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.job.launcher import check_launch, launch_into, launch_options
 from trainmesh.job.resolve import Job, load_config, resolve
-from trainmesh.job.rundir import RunLock, claim_new_run_dir, create_run_dir, new_job_id
+from trainmesh.job.rundir import RunFolder
 from trainmesh.launch import LaunchOptions
 from trainmesh.train.parity import ENV_VAR, NUDGE_VAR
 
@@ -234,17 +234,17 @@ def cmd_parity(args: argparse.Namespace, overrides: list[str]) -> int:
     check_parity_flags(args)
     opts = dataclasses.replace(launch_options(args), max_restarts=0)  # a restarted side would start its record over
     a, b = plan_sides(args, overrides, opts)
-    parity_dir = _claim_folder(a.job.config)  # everything is checked: from here on the check writes
+    folder = _claim_folder(a.job.config)  # everything is checked: from here on the check writes
+    parity_dir = folder.path
     runs = [(a, a.name), (b, b.name), (b, f"{b.name}-again")]
     steps = a.job.config.train.max_steps
     log.info(
         "parity folder: %s; %d steps of\n  %s\n  %s (and again, nudged)", parity_dir, steps, a.describe(), b.describe()
     )
-    launch_id = new_job_id()
-    with RunLock(parity_dir, launch_id):
+    with folder:
         for side, name in runs:
             log.info("parity run %s: %s", name, side.describe())
-            code = _launch(opts, side, parity_dir, name, f"{launch_id}-{name}", nudge=name.endswith("-again"))
+            code = _launch(opts, side, parity_dir, name, f"{folder.job_id}-{name}", nudge=name.endswith("-again"))
             if code != 0:
                 log.error("parity run %s failed with exit code %d; its run folder: %s", name, code, parity_dir / name)
                 return code
@@ -256,26 +256,26 @@ def cmd_parity(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if comparison.equal else 1
 
 
-def _claim_folder(config: Config) -> Path:
+def _claim_folder(config: Config) -> RunFolder:
     out_dir, name = Path(config.run.out_dir), config.run.id
     if not name:
-        return claim_new_run_dir(out_dir, f"{config.run.recipe}-parity")
+        return RunFolder.new(out_dir, f"{config.run.recipe}-parity")
     if (out_dir / name).exists():
         raise ParityError(
             f"--run-id {name}: {out_dir / name} already exists, and a parity check writes new run folders. Fix: "
             "another --run-id, or leave it out for a new <recipe>-parity-<date>-<time> folder."
         )
-    return create_run_dir(out_dir, name)
+    return RunFolder.named(out_dir, name)
 
 
 def _launch(opts: LaunchOptions, side: Side, parity_dir: Path, name: str, launch_id: str, nudge: bool) -> int:
     run = dataclasses.replace(side.job.config.run, out_dir=str(parity_dir))
     job = dataclasses.replace(side.job, config=dataclasses.replace(side.job.config, run=run)).named(name, resume=False)
-    run_dir = create_run_dir(parity_dir, name)
-    with _probe_on(run_dir / RECORD_FILE, nudge):
+    folder = RunFolder.named(parity_dir, name, launch_id)
+    with _probe_on(folder.path / RECORD_FILE, nudge):
         try:
             side_opts = dataclasses.replace(opts, nproc_per_node=str(side.nproc))
-            return launch_into(side_opts, [job], job, run_dir, launch_id)
+            return launch_into(side_opts, [job], job, folder)
         except UserError as e:  # e.g. a port in use
             log.error("%s", e)
             return 2

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 import shlex
 from pathlib import Path
 
-from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config
 from trainmesh.config.schema import RunConfig
 from trainmesh.job.launcher import check_this_machine, launch_into, launch_options, resolve_all
 from trainmesh.job.resume import load_run_config
-from trainmesh.job.rundir import check_auto_resume, new_job_id, take_run_dir
+from trainmesh.job.rundir import RunFolder
 from trainmesh.launch import launch
 from trainmesh.launch.rank_logs import NO_LOG_DIR
 
@@ -38,21 +36,20 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     jobs = resolve_all(start.config, opts)  # before anything is written
     config = jobs[0].config
     check_this_machine(config, opts)
-    run_id, out_dir = config.run.id, Path(config.run.out_dir)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id
-    if suffix and not run_id:
-        run_id = f"{config.run.recipe}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
-    auto = check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
-    run_dir = take_run_dir(out_dir, run_id, config.run.recipe, config.checkpoint.resume)
-    hint = resume_command(args, config, run_dir.name)
+    run_id = config.run.id or (RunFolder.shared_name(config.run.recipe, suffix) if suffix else "")
+    auto = RunFolder.check_auto_resume(args.auto_resume, config.checkpoint.resume, run_id)
+    out_dir, resume = Path(config.run.out_dir), config.checkpoint.resume
+    folder = RunFolder.take(out_dir, run_id, config.run.recipe, resume=resume, job_id=suffix)
+    hint = resume_command(args, config, folder.name)
     if start.run_dir is not None:
         log.info("%s", start.describe())
         if start.finished:
-            longer = resume_command(args, config, run_dir.name, f"--train.max_steps={2 * start.step}")
+            longer = resume_command(args, config, folder.name, f"--train.max_steps={2 * start.step}")
             log.warning(
                 "run %s has finished: its newest checkpoint is at step %d, train.max_steps=%d; nothing to train. "
                 "To train it longer: %s",
-                run_dir.name,
+                folder.name,
                 start.step,
                 config.train.max_steps,
                 longer,
@@ -67,9 +64,9 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         log.info(
             "elastic --nnodes %s: workers continue from this run's newest checkpoint when they (re)start", opts.nnodes
         )
-    auto = auto and bool(list_checkpoints(run_dir))  # --auto-resume: resume once there is something to resume
-    job = jobs[0].named(run_dir.name, resume=config.checkpoint.resume or elastic or auto)
-    return launch_into(opts, jobs, job, run_dir, suffix or new_job_id(), hint)
+    auto = auto and folder.has_checkpoints()  # --auto-resume: resume once there is something to resume
+    job = jobs[0].named(folder.name, resume=resume or elastic or auto)
+    return launch_into(opts, jobs, job, folder, hint)
 
 
 def resume_command(args: argparse.Namespace, config: Config, run_id: str, *overrides: str) -> str:

@@ -1,26 +1,7 @@
-"""Ray Train: trainmesh's worker inside `ray.train.torch.TorchTrainer` (docs/clusters.md, "Ray Train").
+"""Ray Train: trainmesh's worker inside `ray.train.torch.TorchTrainer` (docs/clusters.md, "Ray Train"). `fit` resolves
+the job, claims the run folder and runs `run_worker` in every Ray worker.
 
-    import ray
-    from ray.train import ScalingConfig
-    from trainmesh import load_config
-    from trainmesh.compat.ray import fit
-
-    config = load_config("configs/gpt-tiny.toml", ["--train.max_steps=50"], "gpt")
-    run = fit(config, ScalingConfig(num_workers=2, use_gpu=False))
-    run.run_dir, run.records()[-1]            # trainmesh's run folder, the last line of its metrics.jsonl
-
-Ray starts one worker per rank, sets up torch's process group in each (env://; gloo, or NCCL with
-use_gpu=True) and sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT). trainmesh adopts that group (core.dist.existing_group_env): rank and world size are the
-group's, the node-local ranks Ray's context's, and the group is left for Ray to destroy.
-
-`fit` is the launcher, on the driver: it resolves the job once at Ray's world size (`ScalingConfig.num_workers`),
-claims the run folder and holds its lock while Ray trains, as `trainmesh run` does; every Ray worker then runs
-`run_worker`, whose rank 0 writes the run files. The run folder must be on storage every worker sees (a
-shared file system for several nodes), as with `trainmesh run`. Checkpoints are trainmesh's own (DCP, in the
-run folder), not Ray's `Checkpoint`; when Ray restarts the workers (FailureConfig), they continue from the
-run's newest one. To build your own TorchTrainer: `prepare`, then `train_loop_per_worker` with
-`train_loop_config(job, run_dir)`.
+Details: docs/internals.md#compatraypy
 """
 
 from __future__ import annotations
@@ -39,10 +20,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.dist import existing_group_env
 from trainmesh.core.logging import get_logger
-from trainmesh.job.launcher import check_inputs, hold_run_dir, refuse_other_runs_checkpoints
+from trainmesh.job.launcher import check_inputs
 from trainmesh.job.resolve import Job, resolve
 from trainmesh.job.resume import check_resumable
-from trainmesh.job.rundir import new_job_id, resumed_if_checkpointed, take_run_dir
+from trainmesh.job.rundir import RunFolder
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import Recipe
@@ -70,12 +51,12 @@ def prepare(config: Config, num_workers: int, recipe: Recipe | None = None) -> t
     check_inputs(config, recipe)  # as `trainmesh run` does: the trackers' packages, the data
     job = resolve(config, num_workers, recipe=recipe)
     out_dir = Path(job.config.run.out_dir).absolute()
-    run_dir = take_run_dir(out_dir, job.run_id, job.config.run.recipe, job.resume)
-    job = job.named(run_dir.name, resume=job.resume)
+    folder = RunFolder.take(out_dir, job.run_id, job.config.run.recipe, resume=job.resume)
+    job = job.named(folder.name, resume=job.resume)
     # From here on, a checkpoint in the folder of a new run is its own: Ray restarted the workers (below).
-    refuse_other_runs_checkpoints(job, run_dir)
-    check_resumable(job.config, run_dir)
-    return job, run_dir
+    folder.refuse_other_runs_checkpoints(job.resume)
+    check_resumable(job.config, folder.path)
+    return job, folder.path
 
 
 def train_loop_config(job: Job, run_dir: Path, launch_id: str | None = None) -> dict[str, Any]:
@@ -102,7 +83,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
     run_dir = Path(loop_config["run_dir"])
     config: Config = loop_config["config"]
-    resumed = resumed_if_checkpointed(config, run_dir)
+    resumed = RunFolder(run_dir).resumed_if_checkpointed(config)
     if resumed is not config:
         # The folder held none when the job started (`prepare`), so Ray restarted the workers after a failure
         # (RunConfig's FailureConfig): continue from this job's newest checkpoint, as torchrun's restarts do.
@@ -143,12 +124,12 @@ def fit(
             "starts. Fix: ScalingConfig(num_workers=N)."
         )
     job, run_dir = prepare(config, workers, recipe)
-    launch_id = new_job_id()
-    with hold_run_dir(job, run_dir, launch_id):
+    folder = RunFolder(run_dir)
+    with folder.held_for(job):
         log.info("run directory: %s; %s", run_dir, job.batch.describe())
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config=train_loop_config(job, run_dir, launch_id),
+            train_loop_config=train_loop_config(job, run_dir, folder.job_id),
             scaling_config=scaling_config,
             run_config=run_config or ray.train.RunConfig(name="ray", storage_path=str(run_dir)),
             torch_config=torch_config,

@@ -27,13 +27,11 @@ from trainmesh.config.schema import RunConfig
 from trainmesh.core.files import read_bytes
 from trainmesh.core.logging import get_logger
 from trainmesh.job.resolve import load_config
-from trainmesh.job.rundir import CONFIG_FILE, MAX_CONFIG_BYTES
+from trainmesh.job.rundir import CONFIG_FILE, DECIDED_BY_EACH_LAUNCH, MAX_CONFIG_BYTES
 from trainmesh.recipes import get_recipe
 
 log = get_logger(__name__)
 
-DECIDED_BY_EACH_LAUNCH = ("checkpoint.resume",)
-"""Recorded keys that describe one launch, not the run: never carried over, never reported as a change."""
 _UNSET = object()
 
 

@@ -1,38 +1,37 @@
-"""Run folders: `<run.out_dir>/<run.id>/`, named once, held by one job at a time, holding the resolved config.
+"""A run folder's whole life, `<run.out_dir>/<run.id>/`, in one object, `RunFolder`: its name (a new run, a named
+one, or the run to resume), one job's hold on it (the launcher's lock and every worker's: locks.py), the config a
+launch hands its workers (written, or matched by a node that joins), whether it holds checkpoints to resume, and
+the run's config.toml with its history. `config_identity` says once what "the same config" means.
 
-The launcher (before any process starts) or, without it (plain torchrun, srun, python), rank 0 of the
-job creates the folder and takes its lock; only rank 0 of a job writes into it afterwards.
-
-One job per folder: the lock is an exclusive `flock` on `<run>/.lock`, held for the job's lifetime. The
-kernel releases it when its holder dies, so a lock left by a killed job is simply taken over; the file
-names the holder (pid, host, job), for the message that refuses a second launch while the first is
-alive. The workers hold a shared lock on `<run>/.lock.workers`, and a launch needs that one free as well,
-so workers that outlive their launcher (killed by pid) still keep the folder theirs. The nodes of one
-multi-node job share a job id: on a shared file system the first node's launcher holds the lock and the
-others join it.
+The launcher (before any process starts) or, without it (plain torchrun, srun, python), rank 0 of the job creates
+the folder and takes its lock; only rank 0 of a job writes into it afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import difflib
-import errno
-import fcntl
-import json
 import os
+import re
 import socket
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from trainmesh.checkpoint.catalog import list_checkpoints
 from trainmesh.config import Config, dump_toml
 from trainmesh.config.loader import config_to_dict
-from trainmesh.core.errors import UserError
-from trainmesh.core.files import make_dirs, make_new_dir, open_file, read_bytes, write_atomically
+from trainmesh.core.files import make_dirs, make_new_dir, read_bytes, write_atomically
 from trainmesh.core.logging import get_logger
+from trainmesh.job.locks import RunFolderError, RunLock, hold_as_worker
+from trainmesh.launch.options import LaunchError
+
+if TYPE_CHECKING:
+    from trainmesh.job.resolve import Job
 
 log = get_logger(__name__)
 
@@ -40,96 +39,272 @@ CONFIG_FILE = "config.toml"
 LAUNCH_CONFIG_FILE = ".config.launch.toml"
 CONFIG_HISTORY_DIR = "config_history"
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.toml is a few KiB: a larger file is not one
-LOCK_FILE = ".lock"
-WORKERS_LOCK_FILE = ".lock.workers"
+DECIDED_BY_EACH_LAUNCH = ("checkpoint.resume",)
+"""Recorded keys that describe one launch, not the run: never carried over, compared, or reported as a change."""
+SAME_CONFIG_FIX = "Fix: launch every node with the same --config and overrides."
 
 
-class RunFolderError(UserError):
-    """The run folder cannot be created or used (not writable, or held by another live job)."""
+def config_identity(config: Config | str) -> dict[str, Any] | str:
+    """What makes two configs one run's, which every node and rank of a job must share: the config (or a config
+    file's text) without what each launch decides for itself (DECIDED_BY_EACH_LAUNCH). Text that is not TOML is
+    its own identity."""
+    text = config if isinstance(config, str) else dump_toml(config_to_dict(config))
+    try:
+        data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return text
+    for key in DECIDED_BY_EACH_LAUNCH:
+        *sections, leaf = key.split(".")
+        table: Any = data
+        for name in sections:
+            table = table.get(name) if isinstance(table, dict) else None
+        if isinstance(table, dict):
+            table.pop(leaf, None)
+    return data
 
 
-def new_job_id() -> str:
+class RunFolder:
+    """One run folder and one job's hold on it: `with folder:` takes the job's lock, or joins the lock of another
+    node of the same job (`job_id`)."""
+
+    def __init__(self, path: Path, job_id: str | None = None) -> None:
+        self.path = path
+        self.job_id = job_id or _new_job_id()
+        """The job holding the folder: the nodes of one job share it, and its workers get it (--job) to join."""
+        self._lock = RunLock(path, self.job_id)
+        self._workers: IO[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # Which folder: a new one, a named one (created when missing), or the existing one of the run to resume.
+
+    @classmethod
+    def new(cls, out_dir: Path, recipe: str, job_id: str | None = None) -> RunFolder:
+        """A new folder `<recipe>-<date>-<time>` (then `-2`, `-3`, ...: launches within one second never share
+        one), created here, so that no other launch can take the same name."""
+        base = f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = make_new_dir(out_dir, base, limit=9999)
+        except OSError as e:
+            raise _unwritable(out_dir, e) from None
+        if path is None:
+            raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
+        return cls(path, job_id)
+
+    @classmethod
+    def named(cls, out_dir: Path, name: str, job_id: str | None = None) -> RunFolder:
+        """`out_dir/name`, created if missing (an existing run folder is reused: --resume)."""
+        path = out_dir / name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unwritable(out_dir, e) from None
+        return cls(path, job_id)
+
+    @classmethod
+    def existing(cls, out_dir: Path, name: str, job_id: str | None = None) -> RunFolder:
+        """The folder of the run to resume; a name with no folder (a misspelled --run-id) is refused."""
+        if not name:
+            raise RunFolderError(
+                "--resume needs the run to continue: add --run-id NAME (its folder under run.out_dir), "
+                "or leave out --resume to start a new run"
+            )
+        path = out_dir / name
+        if path.is_dir():
+            return cls(path, job_id)
+        runs = [p for p in out_dir.iterdir() if p.is_dir()] if out_dir.is_dir() else []
+        runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        close = difflib.get_close_matches(name, [p.name for p in runs], n=1)
+        listing = f" Runs there, newest first: {', '.join(p.name for p in runs[:5])}." if runs else ""
+        raise RunFolderError(
+            f"--resume: there is no run folder {path} (nothing to resume).{listing}"
+            + (f" Did you mean --run-id {close[0]}?" if close else "")
+            + " Fix: --run-id with the name of an existing run, or leave out --resume to start a new run."
+        )
+
+    @classmethod
+    def take(cls, out_dir: Path, run_id: str, recipe: str, *, resume: bool, job_id: str | None = None) -> RunFolder:
+        """The folder a launch (or rank 0 without one) runs in: the existing one of the run to `resume` (a misspelled
+        name is refused), the one `run_id` names (created if missing), or a new one claimed here."""
+        if resume:
+            return cls.existing(out_dir, run_id, job_id)
+        if run_id:
+            return cls.named(out_dir, run_id, job_id)
+        return cls.new(out_dir, recipe, job_id)
+
+    @staticmethod
+    def shared_name(prefix: str, suffix: str) -> str:
+        """The name the nodes of a multi-node job agree on, from what they share (`opts.default_run_suffix()`)."""
+        return f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]', '-', suffix)}"
+
+    @staticmethod
+    def check_auto_resume(auto_resume: bool, resume: bool, run_id: str) -> bool:
+        """--auto-resume continues a run by its name (its folder created when missing): it needs the name, and
+        --resume (which refuses a missing folder) contradicts it. Returns `auto_resume`."""
+        if auto_resume and resume:
+            raise RunFolderError(
+                "--resume and --auto-resume both given: --resume refuses a run folder that does not exist, "
+                "--auto-resume creates it. Fix: keep one (--auto-resume for a command a scheduler reruns)."
+            )
+        if auto_resume and not run_id:
+            raise RunFolderError(
+                "--auto-resume needs the run's name, the same on every attempt: add --run-id NAME (python -m "
+                "trainmesh: --run.id=NAME), e.g. gpt-$SLURM_JOB_ID."
+            )
+        return auto_resume
+
+    # Whether a launch resumes: what the folder holds.
+
+    def has_checkpoints(self) -> bool:
+        return bool(list_checkpoints(self.path))
+
+    def resumed_if_checkpointed(self, config: Config) -> Config:
+        """`config`, set to resume when this folder holds a checkpoint (a run under --auto-resume, or one restarted
+        after it saved); else `config` itself."""
+        if config.checkpoint.resume or not self.has_checkpoints():
+            return config
+        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+
+    def refuse_other_runs_checkpoints(self, resume: bool, resume_hint: str | None = None) -> None:
+        """A new run (not resuming) must start in a folder without checkpoints: they would collide with its own."""
+        found = [] if resume else list_checkpoints(self.path)
+        if found:
+            again = resume_hint or "set checkpoint.resume = true (--resume on the command line)"
+            raise LaunchError(
+                f"{self.path} already holds checkpoints (newest: {found[-1].name}); a new run there would collide "
+                f"with them. Continue that run with: {again}\nOr start a new run under another --run-id."
+            )
+
+    # One job's hold: the lock (see locks.py), and every worker's.
+
+    @property
+    def joined(self) -> bool:
+        """Another node of this job holds the lock (it also writes the run's config)."""
+        return self._lock.joined
+
+    def lock(self) -> None:
+        """Take the job's lock, or join another node's of this job; RunFolderError, naming the holder, when another
+        job holds it or its workers still run."""
+        self._lock.acquire()
+
+    def hold_as_worker(self) -> None:
+        """Every worker holds the folder until its process ends or `release`: a new launch cannot take it from
+        workers whose launcher died."""
+        self._workers = hold_as_worker(self.path)
+
+    def release(self) -> None:
+        self._lock.release()
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def __enter__(self) -> RunFolder:
+        self.lock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def held_for(self, job: Job, resume_hint: str | None = None) -> Iterator[Path]:
+        """A launcher's hold while its workers run: the lock (which the workers' rank 0 joins with `job_id`), no
+        checkpoints of another run here, and the job's config written for its workers (or, on a node that joins,
+        matched); yields that file's path. The run's config.toml is the workers' to replace once they have loaded
+        its checkpoint (`commit_config`): a launch that fails before leaves it as it was."""
+        with self:
+            self.refuse_other_runs_checkpoints(job.resume, resume_hint)
+            if self.joined:
+                path = self.match_launch_config(job.config)
+            else:
+                path = self.write_launch_config(job.config)
+                self.record_new_run(job.config)
+            # The file stays when this launch ends: the workers of nodes that joined it may restart and read it.
+            yield path
+
+    # The config: the one a launch hands its workers, and the run's own, config.toml, with its history.
+
+    def write_launch_config(self, config: Config) -> Path:
+        """`<run>/.config.launch.toml`, its first line naming the launch (for the nodes that join it): config.toml
+        itself is replaced only once the workers have taken the folder over and loaded its checkpoint."""
+        path = self.path / LAUNCH_CONFIG_FILE
+        write_atomically(path, _launch_line(self.job_id) + dump_toml(config_to_dict(config)))
+        return path
+
+    def match_launch_config(self, config: Config) -> Path:
+        """On a node that joins another's launch (sharing the folder): check that its config is the one the node
+        holding the lock wrote (waiting for it), instead of overwriting that under running workers. A node
+        restarted later may differ in checkpoint.resume (it finds checkpoints the first start had not made yet):
+        the workers agree on resuming among themselves."""
+        path = self.path / LAUNCH_CONFIG_FILE
+        deadline = time.monotonic() + 30
+        while not (written := self._launch_config_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the node holding the lock writes it first
+        ours = config_identity(config)
+        assert isinstance(ours, dict)  # a config's own TOML always reads
+        if config_identity(written) != ours:
+            theirs = written.splitlines()
+            diff = [line for line in dump_toml(ours).splitlines() if line not in theirs][:5]
+            raise LaunchError(
+                f"another node of this job wrote {path} with a different config (this node has: {'; '.join(diff)}). "
+                + SAME_CONFIG_FIX
+            )
+        return path
+
+    def _launch_config_text(self) -> str:
+        """This launch's config file: an earlier launch's may still be there (a requeued job's)."""
+        try:
+            text = read_bytes(self.path / LAUNCH_CONFIG_FILE, MAX_CONFIG_BYTES).decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
+        return text if text.startswith(_launch_line(self.job_id)) else ""
+
+    def record_new_run(self, config: Config) -> None:
+        """`config` as the run's config.toml when the folder has none yet and no checkpoint (a new run): its record
+        from the start, so that a run stopped before its first checkpoint resumes with its own settings. An existing
+        one is left for `commit_config` (a symlink planted there too: that replaces it, never writing through it)."""
+        path = self.path / CONFIG_FILE
+        if not (path.exists() or path.is_symlink() or self.has_checkpoints()):  # a resume's is the checkpoint's
+            write_atomically(path, dump_toml(config_to_dict(config)))
+
+    def commit_config(self, config: Config, step: int) -> Path:
+        """Make `config` the run's config.toml, once the job has taken the folder over and starts at `step` (its
+        checkpoint loaded, or 0). A recorded config of another identity is kept first, as
+        `config_history/step_<step>.toml`: what the run trained with up to that step."""
+        path = self.path / CONFIG_FILE
+        text = dump_toml(config_to_dict(config))
+        try:
+            before: bytes | None = read_bytes(path, MAX_CONFIG_BYTES)
+        except FileNotFoundError:
+            before = None
+        except (OSError, ValueError) as e:  # a planted symlink (never read through), or not a config: replaced
+            log.warning("%s is replaced without keeping it (%s)", path, e)
+            before = None
+        if before is not None and config_identity(before.decode(errors="replace")) != config_identity(text):
+            self._keep_in_history(before, step)
+        write_atomically(path, text)
+        return path
+
+    def _keep_in_history(self, recorded: bytes, step: int) -> None:
+        history = make_dirs(self.path, CONFIG_HISTORY_DIR)
+        kept, n = history / f"step_{step:08d}.toml", 1
+        while kept.exists() or kept.is_symlink():  # resumed from this step before, with another change
+            n += 1
+            kept = history / f"step_{step:08d}-{n}.toml"
+        write_atomically(kept, recorded)
+        log.info("the run's config changed at step %d; the one before is kept in %s", step, kept)
+
+
+def _new_job_id() -> str:
     """A job id no other launch has: host, pid and time."""
     return f"{socket.gethostname()}-{os.getpid()}-{dt.datetime.now().strftime('%Y%m%d%H%M%S%f')}"
 
 
-def create_run_dir(out_dir: Path, name: str) -> Path:
-    """`out_dir/name`, created if missing (an existing run folder is reused: --resume)."""
-    run_dir = out_dir / name
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _unwritable(out_dir, e) from None
-    return run_dir
-
-
-def existing_run_dir(out_dir: Path, name: str) -> Path:
-    """The folder of the run to resume; a name with no folder (a misspelled --run-id) is refused."""
-    if not name:
-        raise RunFolderError(
-            "--resume needs the run to continue: add --run-id NAME (its folder under run.out_dir), "
-            "or leave out --resume to start a new run"
-        )
-    run_dir = out_dir / name
-    if run_dir.is_dir():
-        return run_dir
-    runs = [p for p in out_dir.iterdir() if p.is_dir()] if out_dir.is_dir() else []
-    runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    close = difflib.get_close_matches(name, [p.name for p in runs], n=1)
-    listing = f" Runs there, newest first: {', '.join(p.name for p in runs[:5])}." if runs else ""
-    raise RunFolderError(
-        f"--resume: there is no run folder {run_dir} (nothing to resume).{listing}"
-        + (f" Did you mean --run-id {close[0]}?" if close else "")
-        + " Fix: --run-id with the name of an existing run, or leave out --resume to start a new run."
-    )
-
-
-def check_auto_resume(auto_resume: bool, resume: bool, run_id: str) -> bool:
-    """--auto-resume continues a run by its name (its folder created when missing): it needs the name, and
-    --resume (which refuses a missing folder) contradicts it. Returns `auto_resume`."""
-    if auto_resume and resume:
-        raise RunFolderError(
-            "--resume and --auto-resume both given: --resume refuses a run folder that does not exist, --auto-resume "
-            "creates it. Fix: keep one (--auto-resume for a command a scheduler reruns)."
-        )
-    if auto_resume and not run_id:
-        raise RunFolderError(
-            "--auto-resume needs the run's name, the same on every attempt: add --run-id NAME (python -m trainmesh: "
-            "--run.id=NAME), e.g. gpt-$SLURM_JOB_ID."
-        )
-    return auto_resume
-
-
-def resumed_if_checkpointed(config: Config, run_dir: Path) -> Config:
-    """`config`, set to resume when `run_dir` holds a checkpoint (a run under --auto-resume, or one restarted
-    after it saved); else `config` itself."""
-    if config.checkpoint.resume or not list_checkpoints(run_dir):
-        return config
-    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
-
-
-def claim_new_run_dir(out_dir: Path, recipe: str) -> Path:
-    """A new folder `<recipe>-<date>-<time>` (then `-2`, `-3`, ...: launches within one second never
-    share one), created here, so that no other launch can take the same name."""
-    base = f"{recipe}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        run_dir = make_new_dir(out_dir, base, limit=9999)
-    except OSError as e:
-        raise _unwritable(out_dir, e) from None
-    if run_dir is None:
-        raise RunFolderError(f"{out_dir} already holds 9999 runs named {base}-*. Fix: name this run with --run-id.")
-    return run_dir
-
-
-def take_run_dir(out_dir: Path, run_id: str, recipe: str, resume: bool) -> Path:
-    """The folder a launch (or rank 0 without one) runs in: the existing one of the run to `resume` (a misspelled
-    name is refused), the one `run_id` names (created if missing), or a new one claimed here."""
-    if resume:
-        return existing_run_dir(out_dir, run_id)
-    if run_id:
-        return create_run_dir(out_dir, run_id)
-    return claim_new_run_dir(out_dir, recipe)
+def _launch_line(job_id: str) -> str:
+    """The first line of a launch's config file: a TOML comment naming the launch."""
+    return f"# launch {job_id}\n"
 
 
 def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
@@ -137,183 +312,3 @@ def _unwritable(out_dir: Path, error: OSError) -> RunFolderError:
         f"cannot create the run folder under run.out_dir={str(out_dir)!r}: {error.strerror} ({error.filename}). "
         "Fix: --run.out_dir=<a folder you can write to>.",
     )
-
-
-def write_launch_config(run_dir: Path, config: Config, launch_id: str) -> Path:
-    """The config a launch hands its workers, `<run>/.config.launch.toml`, its first line naming the launch (for
-    the nodes that join it): `config.toml` itself is replaced only once the workers have taken the folder over
-    and loaded its checkpoint (`commit_config`)."""
-    path = run_dir / LAUNCH_CONFIG_FILE
-    write_atomically(path, launch_line(launch_id) + dump_toml(config_to_dict(config)))
-    return path
-
-
-def launch_line(launch_id: str) -> str:
-    """The first line of a launch's config file: a TOML comment naming the launch."""
-    return f"# launch {launch_id}\n"
-
-
-def record_new_run(run_dir: Path, config: Config) -> None:
-    """`config` as the run's config.toml when the folder has none yet and no checkpoint (a new run): its record
-    from the start, so that a run stopped before its first checkpoint resumes with its own settings. An existing
-    one is left for `commit_config` (a symlink planted there too: that replaces it, never writing through it)."""
-    path = run_dir / CONFIG_FILE
-    if not (path.exists() or path.is_symlink() or list_checkpoints(run_dir)):  # a resume's is the checkpoint's
-        write_atomically(path, dump_toml(config_to_dict(config)))
-
-
-def commit_config(run_dir: Path, config: Config, step: int) -> Path:
-    """Make `config` the run's `config.toml`, once the job has taken the folder over and starts at `step` (its
-    checkpoint loaded, or 0). A recorded config that this one changes is kept first, as
-    `config_history/step_<step>.toml`: what the run trained with up to that step."""
-    path = run_dir / CONFIG_FILE
-    text = dump_toml(config_to_dict(config))
-    try:
-        before: bytes | None = read_bytes(path, MAX_CONFIG_BYTES)
-    except FileNotFoundError:
-        before = None
-    except (OSError, ValueError) as e:  # a planted symlink (never read through), or not a config: replaced
-        log.warning("%s is replaced without keeping it (%s)", path, e)
-        before = None
-    if before is not None and _what_the_run_is(before.decode(errors="replace")) != _what_the_run_is(text):
-        history = make_dirs(run_dir, CONFIG_HISTORY_DIR)
-        kept, n = history / f"step_{step:08d}.toml", 1
-        while kept.exists() or kept.is_symlink():  # resumed from this step before, with another change
-            n += 1
-            kept = history / f"step_{step:08d}-{n}.toml"
-        write_atomically(kept, before)
-        log.info("the run's config changed at step %d; the one before is kept in %s", step, kept)
-    write_atomically(path, text)
-    return path
-
-
-def _what_the_run_is(config_toml: str) -> dict[str, Any] | str:
-    """A recorded config without what each launch decides for itself (whether it resumed)."""
-    try:
-        data = tomllib.loads(config_toml)
-    except (tomllib.TOMLDecodeError, RecursionError):
-        return config_toml  # unreadable: kept in the history if replaced
-    data.get("checkpoint", {}).pop("resume", None)
-    return data
-
-
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without flock
-
-
-class RunLock:
-    """The exclusive lock of one job on its run folder (see the module docstring). A context manager."""
-
-    def __init__(self, run_dir: Path, job: str) -> None:
-        self.run_dir, self.job = run_dir, job
-        self.path = run_dir / LOCK_FILE
-        self.joined = False
-        """Another node of this job holds the lock (it also writes the run's config)."""
-        self._file: IO[Any] | None = None
-
-    @property
-    def held(self) -> bool:
-        """Whether this launch holds the lock (not: joined another node's, or no locks on this file system)."""
-        return self._file is not None
-
-    def acquire(self) -> None:
-        """Take the lock, or join it when another node of this job holds it. Raises RunFolderError, naming
-        the holder, when another job holds it or its workers still run."""
-        try:
-            lock_file = open_file(self.path, "a+")
-        except OSError as e:
-            raise RunFolderError(
-                f"cannot create {self.path}: {e.strerror}. Fix: --run.out_dir=<a folder you can write to>."
-            ) from None
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            lock_file.close()
-            if e.errno in _NO_LOCKS:
-                log.warning("%s: no file locks on this file system (%s); not guarding the run folder", self.path, e)
-                return
-            holder = self.holder()
-            deadline = time.monotonic() + 2
-            while "job" not in holder and time.monotonic() < deadline:  # it has the lock, not yet written to it
-                time.sleep(0.1)
-                holder = self.holder()
-            if holder.get("job") == self.job:
-                self.joined = True  # another node of this very job took it first
-                return
-            raise RunFolderError(
-                f"run folder {self.run_dir} is in use by another job: pid {holder.get('pid', '?')} on host "
-                f"{holder.get('host', '?')} (started {holder.get('since', '?')}). Two jobs in one folder would "
-                "overwrite each other's config and checkpoints. Fix: wait for it to end (or stop it), or give this "
-                "run another --run-id."
-            ) from None
-        self._file = lock_file
-        try:
-            _check_no_workers_left(self.run_dir)
-        except RunFolderError:
-            self.release()
-            raise
-        lock_file.seek(0)
-        lock_file.truncate()
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "job": self.job, "since": _now()}
-        lock_file.write(json.dumps(record) + "\n")
-        lock_file.flush()
-
-    def holder(self) -> dict[str, Any]:
-        """What the lock file says about its holder ({} if it says nothing readable)."""
-        try:
-            with open_file(self.path, "r") as f:
-                record = json.loads(f.read(4096) or "{}")
-        except (OSError, ValueError):
-            return {}
-        return record if isinstance(record, dict) else {}
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the descriptor releases the flock
-            self._file = None
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def hold_as_worker(run_dir: Path) -> IO[Any] | None:
-    """Every worker holds a shared lock on `<run>/.lock.workers` while it runs (until its process ends or
-    the file is closed), so that a new launch cannot take the folder from workers whose launcher died."""
-    path = run_dir / WORKERS_LOCK_FILE
-    shared = open_file(path, "a+")
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            fcntl.flock(shared, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return shared
-        except OSError as e:
-            if e.errno in _NO_LOCKS:
-                shared.close()
-                return None
-            if time.monotonic() > deadline:  # a launch checks it for a moment only; this is something else
-                shared.close()
-                raise RunFolderError(f"{path} is held exclusively by another process. Fix: another --run-id.") from None
-            time.sleep(0.05)
-
-
-def _check_no_workers_left(run_dir: Path) -> None:
-    """Refuse a folder in which workers of an earlier job still run (their launcher was killed, say)."""
-    path = run_dir / WORKERS_LOCK_FILE
-    with open_file(path, "a+") as probe:
-        try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when `probe` closes, at once
-        except OSError as e:
-            if e.errno in _NO_LOCKS:
-                return
-            raise RunFolderError(
-                f"processes of an earlier job still work in {run_dir} (their launcher is gone): they hold {path} "
-                f"open (`fuser -v {path}` or `lsof {path}` lists them). Fix: stop them, or give this run another "
-                "--run-id."
-            ) from None
-
-
-def _now() -> str:
-    return dt.datetime.now().astimezone().isoformat(timespec="seconds")

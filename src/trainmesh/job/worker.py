@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import math
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -26,18 +26,7 @@ from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging, get_logger
 from trainmesh.job.resolve import Job, load_config, resolve
 from trainmesh.job.resume import load_run_config
-from trainmesh.job.rundir import (
-    RunFolderError,
-    RunLock,
-    check_auto_resume,
-    commit_config,
-    create_run_dir,
-    hold_as_worker,
-    new_job_id,
-    record_new_run,
-    resumed_if_checkpointed,
-    take_run_dir,
-)
+from trainmesh.job.rundir import SAME_CONFIG_FIX, RunFolder, RunFolderError, config_identity
 from trainmesh.launch.exit_records import record_exit, record_start
 from trainmesh.recipes import Recipe
 from trainmesh.runtime.runtime import Runtime
@@ -72,46 +61,22 @@ def run_worker(
     """
     env = env or current_env()  # a process group set up already (by Ray Train, say) is adopted: its rank and size
     job = resolve(config, env.world_size, recipe=recipe)  # the real world size, e.g. under srun
-    restarted = restart_count() > 0
     runtime = job.runtime(env)
-    lock: RunLock | None = None
-    worker_lock: IO[Any] | None = None
+    folder: RunFolder | None = None
     try:
-        # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a
-        # node that replaces a lost one starts at 0 among nodes that restarted) and resuming is collective,
-        # so the ranks agree: when any rank restarted, or was asked to resume, all resume.
-        resume = bool(runtime.all_reduce(float(restarted or job.resume), "max"))
-        asked_to_resume, job = job.resume, job.named(job.run_id, resume=resume)
-        _check_same_config(job, runtime)  # as agreed: a node's own config.toml may say resume = true by now
-        run_dir, lock = _take_run_dir(job, run_dir, launch_id, runtime, asked_to_resume and not restarted)
-        if RUN_ID.fullmatch(run_dir.name):  # a --run-dir of any other name leaves run.id as it is
-            job = job.named(run_dir.name, resume=resume)  # what config.toml and every checkpoint record
-        worker_lock = runtime.agreed(lambda: hold_as_worker(run_dir))  # every rank, for its lifetime
-        runtime.on_main(lambda: record_new_run(run_dir, job.config))  # a new run's record, from its start
+        # An elastic restart continues from the newest checkpoint. The restart count is each node's own (a node
+        # that replaces a lost one starts at 0 among nodes that restarted), so the ranks agree: when any rank
+        # restarted, or was asked to resume, all resume.
+        restarted = restart_count() > 0
+        resume = _agree_on_config(job, runtime, wants_resume=restarted or job.resume)
+        folder = _take_folder(job, run_dir, launch_id, runtime, check_resume=job.resume and not restarted)
+        # What config.toml and every checkpoint record; a --run-dir of any other name leaves run.id as it is.
+        job = job.named(folder.name if RUN_ID.fullmatch(folder.name) else job.run_id, resume=resume)
+        runtime.agreed(folder.hold_as_worker)  # every rank, for its lifetime
+        runtime.on_main(lambda: folder.record_new_run(job.config))  # a new run's record, from its start
+        result = _train(job, folder, runtime)
         if runtime.is_main_process:
-            strategy, dims = job.layout
-            log.info(
-                "%s recipe, %s on %s; run directory: %s", job.config.run.recipe, strategy, dims.describe(), run_dir
-            )
-            log.log(
-                logging.INFO if job.config.log.verbose else logging.DEBUG, "resolved config:\n%s", job.config_toml()
-            )
-        label = runtime.broadcast_object(attempt_label())  # rank 0's: every rank reports into one folder
-        stall_watch = StallWatchdog(
-            run_dir, job.config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
-        )
-        faults = FaultPlan.from_environ(runtime.rank, run_dir)  # the test hook, parsed once
-        with PreemptionWatch() as preemption, stall_watch as watchdog:
-            # config.toml is replaced once the run's checkpoint has loaded: a launch that fails before leaves it be
-            committed = job.config
-
-            def started(step: int) -> None:
-                runtime.on_main(lambda: commit_config(run_dir, committed, step))
-
-            hooks = RunHooks(preemption, watchdog, faults, ParityProbe.from_environ(), started)
-            result = train(job.config, job.batch, job.recipe, runtime, run_dir, hooks)
-        if runtime.is_main_process:
-            _report(result, run_dir, job.config.run.recipe, launch_id is not None)
+            _report(result, folder.path, job.config.run.recipe, launch_id is not None)
         if before_teardown is not None:
             before_teardown(result)
     except BaseException as e:
@@ -121,49 +86,70 @@ def run_worker(
         runtime.teardown(success=False)
         raise
     finally:
-        if lock is not None:
-            lock.release()
-        if worker_lock is not None:
-            worker_lock.close()
+        if folder is not None:
+            folder.release()
     runtime.teardown(success=True)
     return result
 
 
-def _check_same_config(job: Job, runtime: Runtime) -> None:
-    """Every rank must run one config: nodes of a job each read their own launcher's config file."""
-    digest = hashlib.sha256(job.config_toml().encode()).hexdigest()
-    digests = runtime.all_gather_object(digest)
-    odd = [rank for rank, d in enumerate(digests) if d != digests[0]]
+def _agree_on_config(job: Job, runtime: Runtime, wants_resume: bool) -> bool:
+    """Collective: refuse a job whose ranks run different configs (the nodes of a job each read their own
+    launcher's config file), and decide whether it resumes: when any rank `wants_resume`."""
+    identity = json.dumps(config_identity(job.config), sort_keys=True)
+    views = runtime.all_gather_object((hashlib.sha256(identity.encode()).hexdigest(), wants_resume))
+    odd = [rank for rank, (digest, _) in enumerate(views) if digest != views[0][0]]
     if odd:  # every rank raises
         raise ConfigError(
             f"rank(s) {odd} were started with another config than rank 0 (the nodes of this job were launched with "
-            "different configs or overrides). Fix: launch every node with the same --config and overrides."
+            f"different configs or overrides). {SAME_CONFIG_FIX}"
         )
+    return any(wants for _, wants in views)
 
 
-def _take_run_dir(
+def _take_folder(
     job: Job, run_dir: Path | None, launch_id: str | None, runtime: Runtime, check_resume: bool
-) -> tuple[Path, RunLock | None]:
-    """Collective: the run folder, named by rank 0 when the launcher did not, and locked for this job
-    (by the launcher that passed `launch_id`, else by rank 0 here). Every rank gets the same folder or error."""
-    config = job.config
+) -> RunFolder:
+    """Collective: the run folder, named by rank 0 when the launcher did not, and locked for this job (by the
+    launcher that passed `launch_id`, else by rank 0 here). Every rank gets the same folder or error; `check_resume`:
+    a run to resume must have a folder already."""
+    run = job.config.run
     outcome: tuple[str, str] = ("", "")
-    lock = None
+    folder = None
     if runtime.is_main_process:
         try:
             if run_dir is not None:  # named by the launcher (which made it) or the library's caller
-                run_dir = create_run_dir(run_dir.parent, run_dir.name)
+                folder = RunFolder.named(run_dir.parent, run_dir.name, launch_id)
             else:
-                run_dir = take_run_dir(Path(config.run.out_dir), config.run.id, config.run.recipe, check_resume)
-            lock = RunLock(run_dir, launch_id or new_job_id())
-            lock.acquire()  # with `launch_id`: joins the lock of the launcher that started this job
-            outcome = (str(run_dir), "")
+                folder = RunFolder.take(Path(run.out_dir), run.id, run.recipe, resume=check_resume, job_id=launch_id)
+            folder.lock()  # with `launch_id`: joins the lock of the launcher that started this job
+            outcome = (str(folder.path), "")
         except UserError as e:
             outcome = ("", str(e))
     path, error = runtime.broadcast_object(outcome)
     if error:
         raise RunFolderError(error)
-    return Path(path), lock
+    return folder or RunFolder(Path(path), launch_id)
+
+
+def _train(job: Job, folder: RunFolder, runtime: Runtime) -> TrainResult:
+    """Train `job` in `folder`, under the preemption watch, the stall watchdog and the test hooks."""
+    if runtime.is_main_process:
+        strategy, dims = job.layout
+        recipe, where = job.config.run.recipe, dims.describe()
+        log.info("%s recipe, %s on %s; run directory: %s", recipe, strategy, where, folder.path)
+        log.log(logging.INFO if job.config.log.verbose else logging.DEBUG, "resolved config:\n%s", job.config_toml())
+    label = runtime.broadcast_object(attempt_label())  # rank 0's: every rank reports into one folder
+    stall_watch = StallWatchdog(
+        folder.path, job.config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
+    )
+    faults = FaultPlan.from_environ(runtime.rank, folder.path)  # the test hook, parsed once
+    with PreemptionWatch() as preemption, stall_watch as watchdog:
+
+        def started(step: int) -> None:  # config.toml is replaced once the run's checkpoint has loaded
+            runtime.on_main(lambda: folder.commit_config(job.config, step))
+
+        hooks = RunHooks(preemption, watchdog, faults, ParityProbe.from_environ(), started)
+        return train(job.config, job.batch, job.recipe, runtime, folder.path, hooks)
 
 
 def _report(result: TrainResult, run_dir: Path, recipe: str, by_trainmesh_run: bool) -> None:
@@ -235,9 +221,9 @@ def _main(argv: list[str] | None) -> tuple[int, bool]:
                 log.info("%s", start.describe())
             config = start.config
         if args.auto_resume:
-            check_auto_resume(True, args.resume, config.run.id or (run_dir.name if run_dir else ""))
+            RunFolder.check_auto_resume(True, args.resume, config.run.id or (run_dir.name if run_dir else ""))
             run_dir = run_dir or Path(config.run.out_dir) / config.run.id  # named: created when missing
-            config = resumed_if_checkpointed(config, run_dir)  # else a new run: nothing to resume yet
+            config = RunFolder(run_dir).resumed_if_checkpointed(config)  # else a new run: nothing to resume yet
         result = run_worker(config, run_dir, launch_id=args.job)
     except UserError as e:
         log.error("%s", e)  # what to fix, one line per rank: a traceback would only hide it

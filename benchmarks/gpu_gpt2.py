@@ -307,7 +307,7 @@ def main() -> int:
     train_set, _ = recipe.prepare(base, rt)  # both sides read this, in the same order
     with torch.device("meta"):  # trainmesh's own model, shapes only: its parameter count and FLOPs per token
         tm_model = recipe.build_model(base, rt)
-    peak = device_peak(rt.device, rt.peak_dtype, rt.tf32)
+    peak = device_peak(rt.device, rt.precision.peak_dtype, rt.tf32)
     info = header(rt.device) | {
         "model": f"size={args.size} vocab={VOCAB} block={args.block_size}",
         "plan": plan.describe(),

@@ -6,7 +6,7 @@ rank builds exactly what a trainmesh run builds: `trainmesh.job.resolve.load_con
 `resolve(config, world_size)` -> Job, `job.runtime()`, then the training loop's own set-up
 (`trainmesh.train.setup.set_up`: data, `recipe.build_model`, `runtime.setup` with the recipe's parallel plan,
 `build_optimizer`, the loader) and the loop's own step (`trainmesh.train.loop.train_step`: the step's
-micro-batches, `runtime.forward_backward` with the recipe's objective, `runtime.clip_grad_norm`, `runtime.step`,
+micro-batches, `strategy.forward_backward` with the recipe's objective, `runtime.clip_grad_norm`, `runtime.step`,
 `zero_grad`). Before anything runs, the parent resolves every layout, so that one trainmesh refuses is reported
 with its error instead of being launched.
 
@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +77,8 @@ from trainmesh.launch.spawn import DistributedTestError, run_distributed
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.blocks import find_blocks
-from trainmesh.train.faults import FaultPlan
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.loop import train_step
-from trainmesh.train.optim import lr_at, set_lr
 from trainmesh.train.setup import Session, set_up
 
 MiB = 2**20
@@ -268,33 +266,18 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 @dataclass
 class Trainer:
-    """The loop's step, as `trainmesh.train.loop._run` calls it (learning rate, then `train_step`)."""
+    """The loop's step, as `trainmesh.train.loop._run` calls it (`train_step` sets the learning rate itself)."""
 
     job: Job
     runtime: Runtime
     session: Session
-    profiler: StepProfiler
     batches: Iterator[Any]
-    hooks: RunHooks = field(default_factory=RunHooks)
     done: int = 0
 
     def step(self) -> None:
-        config = self.job.config
-        set_lr(self.session.optimizer, lr_at(self.done, config.optim, config.train.max_steps))
         carry = torch.zeros((), dtype=torch.float64, device=self.runtime.device)  # no metrics window here
         self.done += 1
-        train_step(
-            self.done,
-            self.session,
-            self.batches,
-            self.job.batch,
-            self.job.recipe,
-            self.runtime,
-            self.hooks,
-            self.profiler,
-            config.train,
-            carry,
-        )
+        train_step(self.session, self.done, self.batches, carry)
 
     def timed_step(self) -> float:
         """Seconds of one step, started together on every rank."""
@@ -336,7 +319,7 @@ def coordinates(runtime: Runtime) -> dict[str, int]:
     """This rank's place on the mesh: pipeline stage, tensor-parallel index, data-parallel replica."""
     mesh = runtime.strategy.mesh
     if mesh is None:
-        return {"pp": 0, "tp": 0, "dp": runtime.dp_rank}
+        return {"pp": 0, "tp": 0, "dp": runtime.strategy.dp_rank}
     return {"pp": mesh.coordinate("pp"), "tp": mesh.coordinate("tp"), "dp": mesh.dp_rank}
 
 
@@ -357,9 +340,9 @@ def rank_main(
     runtime = job.runtime(env)
     folder = Path(run_dir)
     with StepProfiler(job.config.profile, folder, runtime.rank, runtime.device) as profiler:
-        session = set_up(job.config, job.batch, job.recipe, runtime, folder, FaultPlan.none())
+        session = set_up(job.config, job.batch, job.recipe, runtime, folder, RunHooks(), profiler)
         try:
-            trainer = Trainer(job, runtime, session, profiler, iter(session.loader))
+            trainer = Trainer(job, runtime, session, iter(session.loader))
             for _ in range(warmup):
                 trainer.step()
             memory = measure_memory(trainer)

@@ -242,7 +242,7 @@ def gpt_saved_bytes(
     unfused path; with `tp` > 1 call it in each of `tp` ranks (trainmesh.testing.run_distributed)."""
     n_layer, n_head, n_embd, vocab, seq, batch = shape
     parallel = ParallelConfig(tp=tp, activation_checkpointing=checkpoint_every)
-    rt = Runtime(precision=precision, parallel=parallel, dist=DistConfig(device="cpu"), seed=0)
+    rt = Runtime(precision=precision, parallel=parallel, dist_config=DistConfig(device="cpu"), seed=0)
     cfg = GPTConfig(size="nano", n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=seq, vocab_size=vocab)
     raw = GPT(cfg)
     blocks = list(raw.blocks)

@@ -65,7 +65,7 @@ def test_init_from_under_fsdp_meta_init_and_tensor_parallel_equals_one_process(t
         expected = hf(idx).logits
 
     single = nano_config(tmp_path, f"--model.init_from={tmp_path / 'gpt2'}")
-    runtime = Runtime(strategy="single", dist=DistConfig(device="cpu"))
+    runtime = Runtime(strategy="single", dist_config=DistConfig(device="cpu"))
     reference = resolve(single, 1).recipe.build_model(single, runtime).state_dict()
     for name in LAYOUTS:
         per_rank = run_distributed(init_rank, 2, args=(str(tmp_path), str(tmp_path / "gpt2"), name, idx))

@@ -38,9 +38,9 @@ def _plant(bug: str, rank: int) -> None:
     step = {"now": 0}
     train_step = loop.train_step
 
-    def counting(n: int, *args: Any) -> Any:
+    def counting(session: Any, n: int, *args: Any) -> Any:
         step["now"] = n
-        return train_step(n, *args)
+        return train_step(session, n, *args)
 
     loop.train_step = counting  # type: ignore[assignment]
     if bug in ("average", "average on rank 1"):

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainmesh.testing import run_distributed
 
 from support import nano_toml, rank_output, train_rank
 from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state, verify
-from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -253,7 +253,7 @@ def test_stalls_are_diagnosed_torn_down_and_restarted(reference: tuple) -> None:
         assert re.search(r'trainmesh/train/loop.py", line \d+ in train', waiting_peer), (fault, waiting_peer)
         if frame:  # the stuck rank's own stack names the frame it is stuck in
             stack = (folder / f"rank_{stuck}.txt").read_text()
-            assert re.search(rf'trainmesh/faults.py", line \d+ in {frame}', stack), (fault, stack)
+            assert re.search(rf'trainmesh/train/faults.py", line \d+ in {frame}', stack), (fault, stack)
     assert not list(stalls.glob("*-attempt_3"))  # the last attempt did not stall (and left no empty files)
     assert not _processes_mentioning("runs/stalls "), "a process of a stalled attempt survived"
     _assert_same_as_reference(root, "stalls", reference)

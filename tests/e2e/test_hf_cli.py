@@ -89,7 +89,7 @@ def test_an_exported_folder_starts_a_run_with_exactly_the_checkpoints_weights(ru
 
     # the same config, built here: its initial weights are the checkpoint's, bit for bit
     model = GPTRecipe().build_model(
-        nano_config(tmp_path, init), Runtime(strategy="single", dist=DistConfig(device="cpu"))
+        nano_config(tmp_path, init), Runtime(strategy="single", dist_config=DistConfig(device="cpu"))
     )
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, reference[name]), name

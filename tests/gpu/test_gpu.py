@@ -131,7 +131,7 @@ def test_fused_adamw_on_cuda() -> None:
 def test_tf32_switch(tf32: bool) -> None:
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        rt = Runtime(dist=DistConfig(device="cuda"), tf32=tf32)
+        rt = Runtime(dist_config=DistConfig(device="cuda"), tf32=tf32)
         assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
         assert torch.backends.cudnn.allow_tf32 is tf32
         assert str(tf32_note(rt.device)).startswith(f"TF32 matmuls: {'on' if tf32 else 'off'} (train.tf32=")

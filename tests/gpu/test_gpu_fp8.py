@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from trainmesh.testing import run_distributed
 
 from support import train_rank_runs
 from trainmesh.config.schema import DistConfig
 from trainmesh.precision.fp8 import FP8_MIN_CAPABILITY
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def test_a_gpu_without_float8_tensor_cores_refuses_fp8_naming_itself() -> None:
     if _has_float8_tensor_cores():
         pytest.skip(f"{torch.cuda.get_device_name()} has float8 tensor cores")
     with pytest.raises(ValueError) as refused:
-        Runtime(precision="fp8-mixed", dist=DistConfig(device="cuda"))
+        Runtime(precision="fp8-mixed", dist_config=DistConfig(device="cuda"))
     major, minor = torch.cuda.get_device_capability()
     assert f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}" in str(refused.value)
 

@@ -42,7 +42,7 @@ def _nano(seed: int = 0) -> GPT:
 # -- refusals ---------------------------------------------------------------------------------------------------
 def test_a_cpu_is_refused_before_the_model_is_built_with_the_fixes() -> None:
     with pytest.raises(ValueError) as refused:
-        Runtime(precision="fp8-mixed", dist=CPU_ONLY)
+        Runtime(precision="fp8-mixed", dist_config=CPU_ONLY)
     message = str(refused.value)
     assert "compute capability 8.9 or newer" in message and "the device here is cpu" in message
     assert "--train.precision=bf16-mixed" in message and "--float8.emulate=true" in message
@@ -177,7 +177,7 @@ def test_a_meta_built_gpt_converts_and_is_initialised_like_a_whole_one(capfd: py
     whole = recipe.build_model(config, None)  # type: ignore[arg-type]  # the GPT recipe does not use the runtime
     with torch.device("meta"):
         late = recipe.build_model(config, None)  # type: ignore[arg-type]
-    runtime = Runtime(strategy="single", precision="fp8-mixed", float8=EMULATED, dist=CPU_ONLY)
+    runtime = Runtime(strategy="single", precision="fp8-mixed", float8=EMULATED, dist_config=CPU_ONLY)
     late = runtime.setup(late, plan=recipe.parallel_plan(late))
     assert isinstance(late.blocks[0].mlp.proj, Float8Linear) and not late.blocks[0].mlp.proj.weight.is_meta
     assert late.lm_head.weight is late.wte.weight

@@ -42,7 +42,7 @@ def save_gpt2(folder: Path, vocab_size: int = 256, seed: int = 0, **config: obje
 
 def gpt_from(folder: Path, *overrides: str) -> GPT:
     config = load_config(None, [f"--model.init_from={folder}", *overrides], "gpt")
-    model = GPTRecipe().build_model(config, Runtime(strategy="single", dist=DistConfig(device="cpu")))
+    model = GPTRecipe().build_model(config, Runtime(strategy="single", dist_config=DistConfig(device="cpu")))
     assert isinstance(model, GPT)
     return model.eval()
 
@@ -66,7 +66,7 @@ def test_a_model_built_on_the_meta_device_gets_the_same_weights(tmp_path: Path) 
     the model (tests/distributed/test_hf_init.py does it sharded)."""
     save_gpt2(tmp_path / "gpt2")
     config = load_config(None, [f"--model.init_from={tmp_path / 'gpt2'}", "--parallel.meta_init=true"], "gpt")
-    runtime, recipe = Runtime(strategy="single", dist=DistConfig(device="cpu")), GPTRecipe()
+    runtime, recipe = Runtime(strategy="single", dist_config=DistConfig(device="cpu")), GPTRecipe()
     whole = recipe.build_model(config, runtime)
     with torch.device("meta"):
         late = recipe.build_model(config, runtime)

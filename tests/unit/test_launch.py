@@ -111,7 +111,7 @@ def test_c10d_without_an_id_derives_one_from_the_endpoint() -> None:
     assert "--rdzv-id=tm-10-0-0-1-29400" in torchrun_argv(opts, ["x.py"], module=False)
 
 
-# --- per-rank logs (core/rank_logs.py) -------------------------------------------------------------------------
+# --- per-rank logs (launch/rank_logs.py) -------------------------------------------------------------------------
 
 
 def test_logs_are_kept_with_local_rank_0_on_the_console_unless_told_otherwise(tmp_path: Path) -> None:

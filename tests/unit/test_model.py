@@ -84,7 +84,7 @@ def test_a_gpt_built_on_the_meta_device_is_initialised_like_a_whole_one() -> Non
         late = GPT(cfg, seed=7)
     assert all(p.is_meta for p in late.parameters())
     plan = ParallelPlan(init_weights=lambda part: init_gpt_weights(part, seed=7))
-    late = Runtime(strategy="single", dist=DistConfig(device="cpu")).setup(late, plan=plan)
+    late = Runtime(strategy="single", dist_config=DistConfig(device="cpu")).setup(late, plan=plan)
     assert late.lm_head.weight is late.wte.weight  # still one tensor
     for (name, p), q in zip(whole.named_parameters(), late.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -92,4 +92,4 @@ def test_a_gpt_built_on_the_meta_device_is_initialised_like_a_whole_one() -> Non
     with torch.device("meta"):
         uninitialisable = GPT(cfg)
     with pytest.raises(ValueError, match=r"meta device.*--parallel.meta_init=false"):
-        Runtime(strategy="single", dist=DistConfig(device="cpu")).setup(uninitialisable)
+        Runtime(strategy="single", dist_config=DistConfig(device="cpu")).setup(uninitialisable)

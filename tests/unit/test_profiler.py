@@ -97,7 +97,7 @@ def test_tf32_is_reported_where_it_applies_and_only_there(capfd: pytest.CaptureF
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
     assert tf32_note(CPU) is None
-    runtime = Runtime(dist=DistConfig(device="cpu"), tf32=True)
+    runtime = Runtime(dist_config=DistConfig(device="cpu"), tf32=True)
     runtime.print("runtime ready")  # rank 0's log, where the TF32 line would be
     log = capfd.readouterr().err
     assert "runtime ready" in log and "TF32" not in log and not runtime.tf32

@@ -279,7 +279,7 @@ def runtime_training(
     model: nn.Module, make_optimizer: MakeOptimizer, steps: list[list[Batch]], max_norm: float
 ) -> Trace:
     """The loop of docs/library.md, one process: the Runtime places and wraps, the user's code computes the loss."""
-    rt = Runtime(dist=DistConfig(device="cpu"))
+    rt = Runtime(dist_config=DistConfig(device="cpu"))
     trace = Trace(weights=[_weights(model)])
     try:
         model, optimizer = rt.setup(model, make_optimizer(model))

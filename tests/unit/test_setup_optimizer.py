@@ -22,7 +22,7 @@ INF = float("inf")
 
 
 def _runtime(precision: str) -> Runtime:
-    return Runtime(strategy="single", precision=precision, dist=DistConfig(device="cpu"), seed=0)
+    return Runtime(strategy="single", precision=precision, dist_config=DistConfig(device="cpu"), seed=0)
 
 
 def _net() -> nn.Module:

@@ -1,16 +1,7 @@
-"""Saving and loading one checkpoint with torch.distributed.checkpoint (DCP), every rank in parallel.
+"""Saving and loading one checkpoint with torch.distributed.checkpoint (DCP), every rank in parallel, and the layout of
+a checkpoint folder.
 
-Layout of one checkpoint, `<run>/checkpoints/step_00000300/`:
-    *.distcp, .metadata     model and optimizer (DCP; reshardable to another world size/strategy)
-    trainer_state.json      step, samples seen, precision (GradScaler) state, config, versions
-    rng/rank_<r>.pt         each rank's RNG states (torch, CUDA, NumPy, Python) and its own strategy
-                            state (PowerSGD's error feedback) — tensors and plain values only
-    manifest.json           size and SHA-256 of every file above (see manifest.py)
-
-A checkpoint is written under a temporary name, hashed and fsynced, and renamed into place only then,
-so a directory named `step_*` is complete; resuming verifies it against its manifest before anything
-in it is parsed (catalog.py). Everything non-tensor is JSON, RNG files load with `weights_only=True`, and
-DCP's own files are read through reader.py, so a checkpoint from elsewhere cannot run code here.
+Details: docs/internals.md#checkpointdcppy
 """
 
 from __future__ import annotations
@@ -57,18 +48,18 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = TrainerState.read(path)
     model_state, optim_state = runtime.state_dicts(model, optimizer)  # templates to fill in
     ours = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
-    if not runtime.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
+    if not runtime.strategy.holds_whole_model:  # pipeline stages: the model is what all ranks hold together
         ours = {key: shape for part in runtime.all_gather_object(ours) for key, shape in part.items()}
     _check_matches(path, ours)
     loaded = {"model": model_state, "optim": optim_state}
     _load(loaded, path)
     runtime.load_state_dicts(model, optimizer, loaded["model"], loaded["optim"])
-    runtime.load_precision_state(state.precision)
+    runtime.precision.load_state_dict(state.precision)
     rng_file = path / RANK_DIR / f"rank_{runtime.rank}.pt"
     if state.world_size == runtime.world_size and rng_file.is_file():
         rank_state = read_rank_file(rng_file)  # checked already, when the checkpoint was chosen (catalog.py)
         _set_rng_state(rank_state)
-        runtime.load_rank_state(rank_state.get("strategy", {}))
+        runtime.strategy.load_rank_state(rank_state.get("strategy", {}))
     else:
         log.warning(
             "checkpoint from world size %d: RNG streams (and a comm hook's per-rank state) restart afresh",

@@ -1,20 +1,7 @@
-"""Writing checkpoints: every rank in parallel, committed atomically, optionally in the background.
+"""Writing checkpoints: every rank in parallel, committed atomically by rename, optionally in the background
+(`checkpoint.async_save`); every rank learns the outcome of each step.
 
-One save, in order (the layout is described in dcp.py):
-    1. rank 0 creates `.step_N.tmp` (a committed `step_N` is never overwritten)
-    2. DCP writes the model and optimizer shards; each rank writes its RNG state; rank 0 the trainer state
-    3. the manifest: every file hashed and fsynced, in parallel over the ranks; rank 0 writes it
-    4. the commit: rank 0 renames the folder to `step_N`, then updates `latest` and rotates (keep_last)
-Every rank learns the outcome of each step: if any rank's part failed (a full disk, say), every rank
-raises the same `CheckpointWriteError` at the same point, the staging folder is removed and older
-checkpoints stay. Once the rename is done the checkpoint is committed: a pointer that could not be
-updated is only a warning, since resuming goes by the step each checkpoint holds (catalog.py).
-
-With `checkpoint.async_save`, step 1 and a copy of the state to CPU memory (DCP's async_save staging)
-happen at the step boundary; steps 2-5 run in a background thread, over a second gloo process group so
-that their collectives never interleave with training's. At most one save is in flight: the next save,
-and the end of training, wait for it, so the final checkpoint is committed and durable before the
-process exits, and an error in the background is raised on every rank at the same point.
+Details: docs/internals.md#checkpointsaverpy
 """
 
 from __future__ import annotations
@@ -126,7 +113,7 @@ class Checkpointer:
         model_state, optim_state = rt.state_dicts(model, optimizer)
         tensors = {"model": model_state, "optim": optim_state}
         staging = staging_dir(final)
-        rank = {**rng_state(), "strategy": rt.rank_state()}  # taken now: the next step changes both
+        rank = {**rng_state(), "strategy": rt.strategy.rank_state()}  # taken now: the next step changes both
         job = _Save(state.step, staging, final, asdict(state), rank, _tensor_sizes(tensors), None, None)
         self._agreed(lambda: self._make_staging(staging) if rt.is_main_process else None, job)
         if self._executor is None:

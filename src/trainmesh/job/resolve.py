@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,7 @@ class Job:
             precision=c.train.precision,
             float8=c.float8,
             parallel=c.parallel,
-            dist=c.dist,
+            dist_config=c.dist,
             compile=c.train.compile,
             deterministic=c.run.deterministic,
             tf32=c.train.tf32,
@@ -115,11 +116,25 @@ def load_config(
     data.setdefault("run", {})["recipe"] = name
     try:
         chosen = get_recipe(name)
-        config = build_config(data, chosen.model_config_cls)
-        return dataclasses.replace(config, model=chosen.complete_model(config))
+        return _complete(build_config(data, chosen.model_config_cls), chosen)
     except ValueError as e:  # a key's value, an unknown key, recipe or tokenizer
         keys_set_here = [parse_override(o)[0] for o in overrides]
         raise ConfigError(_with_origin(str(e), path, _dotted_keys(in_toml), keys_set_here)) from None
+
+
+_completed: weakref.WeakKeyDictionary[Config, type[Recipe]] = weakref.WeakKeyDictionary()
+"""Configs completed in this process, with the recipe that completed them."""
+
+
+def _complete(config: Config, recipe: Recipe) -> Config:
+    """`config` with the recipe's derived model settings filled in (`Recipe.complete_model`), once per process:
+    completing reads files (the data's manifest, the tokenizer, model.init_from's config.json), and a config
+    completed already (the worker's, from load_config, then resolved) is complete."""
+    if _completed.get(config) is type(recipe):
+        return config
+    complete = dataclasses.replace(config, model=recipe.complete_model(config))
+    _completed[complete] = type(recipe)
+    return complete
 
 
 def _with_origin(message: str, path: str | Path | None, file_keys: set[str], override_keys: list[str]) -> str:
@@ -158,7 +173,7 @@ def resolve(
     recipe = recipe or get_recipe(config.run.recipe)
     par, train = config.parallel, config.train
     try:
-        config = dataclasses.replace(config, model=recipe.complete_model(config))  # as load_config did: a no-op
+        config = _complete(config, recipe)  # done already for a config from load_config
         layout = resolve_parallelism(par, world_size)
         check_layout(par, layout, train.precision, config.float8)
         recipe.check_parallel(config, layout.dims)

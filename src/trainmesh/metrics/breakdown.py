@@ -1,10 +1,10 @@
 """Where each step's time goes: data, forward, sync, backward, optimizer and other, per rank.
 
-The loop marks where each phase begins (`clock.mark("forward")`); a phase lasts until the next mark. On
-the CPU the clock reads host timers. On CUDA it records CUDA events on the current stream and measures
-between them only when the metrics window closes, so the hot path never waits for the device; the
-figures are then GPU time between the marks, in which the host's waits (for data, say) show as the gaps
-they leave on the device.
+The step's phases mark where each begins (`clock.mark("forward")`, through metrics/profiler.py); a phase
+lasts until the next mark. On the CPU the clock reads host timers. On CUDA it records CUDA events on the
+current stream and measures between them only when the metrics window closes, so the hot path never waits
+for the device; the figures are then GPU time between the marks, in which the host's waits (for data, say)
+show as the gaps they leave on the device.
 
     data       fetching this rank's micro-batches (a loader that keeps up costs almost nothing here)
     forward    the forward passes (under pipeline parallelism: the whole schedule, forward and backward)

@@ -1,19 +1,19 @@
 """Where a step's time and memory go: torch.profiler traces, NVTX phase ranges, and a CUDA memory snapshot
 written when a rank runs out of memory. All of it is off by default ([profile] in the config).
 
-The training loop marks each step's phases (data, forward_backward, optimizer, log) with `phase(name)`;
-the marks cost nothing unless a trace is being recorded or NVTX is on. The step-time breakdown, which is
-always on, is the profiler's `clock` (metrics/breakdown.py), marked with `mark(name)`.
+The training step runs its phases (data, forward_backward, optimizer, log) inside `phase(name)`: a trace
+range when a trace is being recorded or NVTX is on, and always the step-time breakdown's marks (the
+profiler's `clock`, metrics/breakdown.py), so the step's code carries no timing of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
@@ -26,8 +26,16 @@ from trainmesh.metrics.breakdown import StepClock
 log = get_logger(__name__)
 
 PHASES = ("data", "forward_backward", "optimizer", "log")
+BREAKDOWN: dict[str, tuple[str | None, str | None]] = {
+    "data": ("data", None),  # lasts until the first forward: the count's all-reduce is issued in it too
+    "forward_backward": (None, None),  # each pass marks "forward" (`forward_passes`), the strategy "backward"
+    "optimizer": ("optimizer", "other"),
+    "log": (None, None),  # "other" goes on
+}
+"""For each of PHASES: the breakdown's phase that begins with it, and the one that begins when it ends (None: none)."""
 MEMORY_VIEWER = "https://pytorch.org/memory_viz"
 _UNMARKED = contextlib.nullcontext()
+T = TypeVar("T")
 _HISTORY_ENTRIES = 100_000  # allocation events kept for the snapshot (a ring buffer)
 
 
@@ -45,7 +53,7 @@ def _out_of_memory(error: BaseException | None) -> bool:
 
 class StepProfiler:
     """One per rank, around the training loop: `with StepProfiler(...) as prof:` ... `prof.step()` after
-    each optimizer step, `with prof.phase("optimizer"):` around a phase."""
+    each optimizer step, `with prof.phase("optimizer"):` around a phase of it."""
 
     def __init__(self, cfg: ProfileConfig, run_dir: Path, rank: int, device: torch.device) -> None:
         ranks = profiled_ranks(cfg.ranks)
@@ -95,12 +103,43 @@ class StepProfiler:
             self._profiler.step()
 
     def mark(self, phase: str) -> None:
-        """The breakdown's `phase` (metrics/breakdown.py) begins now."""
+        """The breakdown's `phase` (metrics/breakdown.py) begins now (the strategy marks "backward" and "comm")."""
         self.clock.mark(phase)
 
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Mark a phase of the step: nothing at all (one shared no-op) unless recording or NVTX is on, since
-        this runs four times in every training step."""
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """One of PHASES: its breakdown marks (BREAKDOWN) and, when recording or NVTX is on, a trace range."""
+        begins, then = BREAKDOWN[name]
+        if begins is not None:
+            self.clock.mark(begins)
+        with self._traced(name):
+            yield
+        if then is not None:
+            self.clock.mark(then)
+
+    def forward_passes(self, micro_batches: Iterable[T]) -> Iterator[T]:
+        """`micro_batches`, each pass over one begun as the breakdown's "forward" (the one before ended in
+        "backward" or "comm": a phase lasts until the next mark)."""
+        for batch in micro_batches:
+            self.clock.mark("forward")
+            yield batch
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The breakdown's "sync", within a forward pass: waiting for the step's all-reduce of the target count."""
+        self.clock.mark("sync")
+        yield
+        self.clock.mark("forward")
+
+    @contextlib.contextmanager
+    def pause(self, name: str) -> Iterator[None]:
+        """An evaluation or a checkpoint (the breakdown's PAUSES): time outside the steps, then "other" again."""
+        self.clock.mark(name)
+        yield
+        self.clock.mark("other")
+
+    def _traced(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A trace range: nothing at all (one shared no-op) unless recording or NVTX is on."""
         if not (self.recording or self.nvtx):
             return _UNMARKED
         return self._marked(name)

@@ -100,7 +100,7 @@ def resolve_parallelism(parallel: ParallelConfig, world_size: int) -> Layout:
 def check_layout(parallel: ParallelConfig, layout: Layout, precision: str, float8: Float8Config | None = None) -> None:
     """Refuse combinations of a resolved layout with its options or `precision` (train.precision, with its
     `float8` options) that cannot work (ValueError naming the keys and a fix). The one place for these checks:
-    `Runtime` and `trainmesh check` both call it."""
+    `resolve` (trainmesh check, every worker) calls it, and `Runtime` for a layout it resolved itself."""
     name, dims = layout
     model_parallel = f"parallel.pp={dims.pp} / parallel.tp={dims.tp}"
     problem = schedule_problem(parallel.pipeline, dims.pp) if dims.pp > 1 else None

@@ -2,8 +2,8 @@
 
 Off unless the environment names a file in TRAINMESH_PARITY_RECORD (set by the parity command for each run it
 launches; the worker reads it once and passes the probe in RunHooks, so a normal run pays one None check per
-step). When on, `train_step` calls it at three points of every step, on every rank, in the same order (the
-probe's collectives must line up):
+step). When on, the loop calls it through StepHooks (train/hooks.py) at three points of every step, on every
+rank, in the same order (the probe's collectives must line up):
 
     before_step   the first time: the initial weights (step 0), and forward pre-hooks that note the order in
                   which the forward first uses each parameter (removed after that forward)
@@ -151,7 +151,7 @@ class ParityProbe:
                 "kind": "run",
                 "world_size": runtime.world_size,
                 "strategy": runtime.strategy.name,
-                "compute_dtype": str(runtime.compute_dtype).removeprefix("torch."),
+                "compute_dtype": str(runtime.precision.compute_dtype).removeprefix("torch."),
                 "params": merged.pop("params"),
             }
             with open_file(self.path, "w", encoding="utf-8") as f:  # a fresh record for this run
@@ -171,7 +171,9 @@ class ParityProbe:
         for hook in self._hooks or []:  # the first forward is over: its order is known
             hook.remove()
         if self.nudge:
-            eps = torch.finfo(runtime.compute_dtype).eps  # fp32's would leave bf16's first steps without a spread
+            eps = torch.finfo(
+                runtime.precision.compute_dtype
+            ).eps  # fp32's would leave bf16's first steps without a spread
             for param in model.parameters():
                 if param.grad is not None:
                     nudge(param.grad, step, eps)

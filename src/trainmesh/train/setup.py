@@ -1,5 +1,5 @@
 """Everything before the first step: data, model, optimizer, the resume decision's checkpoint, the loader
-and the run's output files, gathered into one `Session` the loop works with."""
+and the run's output files, gathered with the run's constants into one `Session` the loop works with."""
 
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ from trainmesh.core.versions import versions
 from trainmesh.data.sharding import DataPosition, GlobalBatchSampler, eval_micro_batches, position_at_step
 from trainmesh.data.workers import worker_init
 from trainmesh.metrics.mfu import Peak, device_peak
+from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.sinks import MetricsWriter
 from trainmesh.metrics.trackers import trackers
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.base import Objective
-from trainmesh.train.faults import FaultPlan
+from trainmesh.train.hooks import RunHooks, StepHooks
 from trainmesh.train.optim import build_optimizer
 
 log = get_logger(__name__)
@@ -38,8 +39,17 @@ log = get_logger(__name__)
 
 @dataclass
 class Session:
-    """What one training run works with (built by `set_up`; `state` advances as it trains)."""
+    """What one training run works with (built by `set_up`; `state` advances as it trains): the run's constants,
+    then what set-up built from them."""
 
+    config: Config
+    plan: BatchPlan
+    """The resolved batch: micro-batches per step (`accum_steps`) and samples per step (`global_batch`)."""
+    recipe: Recipe
+    runtime: Runtime
+    hooks: StepHooks
+    profiler: StepProfiler
+    """Trace ranges and the step-time breakdown's marks (metrics/profiler.py)."""
     model: nn.Module
     """This rank's model as the strategy wrapped it (DDP, FSDP units, pipeline stages)."""
     raw_model: nn.Module
@@ -60,17 +70,25 @@ class Session:
     flops_per_token: float
     peak: Peak | None
 
-    def save(self, runtime: Runtime) -> Path:
+    def save(self) -> Path:
         """Checkpoint the current step (with the data position after it); returns its folder."""
-        self.state.precision = runtime.precision_state()
+        self.state.precision = self.runtime.precision_state()
         after = self.sampler.position_after(self.state.step - self.start_step)
         self.state.data_epoch, self.state.data_offset = after.epoch, after.offset
         return self.checkpointer.save(self.model, self.optimizer, self.state)
 
 
 def set_up(
-    config: Config, plan: BatchPlan, recipe: Recipe, runtime: Runtime, run_dir: Path, faults: FaultPlan
+    config: Config,
+    plan: BatchPlan,
+    recipe: Recipe,
+    runtime: Runtime,
+    run_dir: Path,
+    hooks: RunHooks,
+    profiler: StepProfiler,
 ) -> Session:
+    """Build the run's session on this rank: `hooks` and `profiler` watch it (the loop calls them, never the
+    other way round)."""
     if runtime.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_set, val_set = recipe.prepare(config, runtime)
@@ -87,10 +105,12 @@ def set_up(
     raw_model = runtime.unwrap(model)
     del whole_model  # under pipeline parallelism the other stages' layers can now be freed
     optimizer = build_optimizer(raw_model, config.optim, runtime.device)  # on what setup left on this rank
-    seed_everything(config.run.seed + 1 + runtime.seed_rank)
+    seed_everything(config.run.seed + 1 + runtime.strategy.seed_rank)
 
     state, position = _start_state(config, plan, n_train, model, optimizer, runtime, run_dir)
-    sampler = GlobalBatchSampler(n_train, plan, runtime.dp_rank, config.run.seed, config.data.shuffle, position)
+    sampler = GlobalBatchSampler(
+        n_train, plan, runtime.strategy.dp_rank, config.run.seed, config.data.shuffle, position
+    )
     loader = DataLoader(
         train_set,
         batch_sampler=sampler,
@@ -101,9 +121,11 @@ def set_up(
         # the dropout stream between a fresh run and a resumed one.
         generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
-    eval_ids = eval_micro_batches(n_val, config.train.eval_samples, plan.micro_batch, runtime.dp_rank, runtime.dp_size)
+    eval_ids = eval_micro_batches(
+        n_val, config.train.eval_samples, plan.micro_batch, runtime.strategy.dp_rank, runtime.strategy.dp_size
+    )
     writer = runtime.on_main(lambda: _metrics_writer(config, run_dir, resumed=state.step > 0))  # rank 0's
-    peak = device_peak(runtime.device, runtime.peak_dtype, runtime.tf32)
+    peak = device_peak(runtime.device, runtime.precision.peak_dtype, runtime.tf32)
     if runtime.is_main_process:
         log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch, f"{n_params:,}")
         if peak:
@@ -113,10 +135,13 @@ def set_up(
     if config.train.compile:  # the loss too: fused with its fp32 upcast, the logits' softmax is no longer a memory pass
         objective = replace(objective, loss=torch.compile(objective.loss))
     ckpt = config.checkpoint
-    checkpointer = Checkpointer(run_dir, runtime, ckpt.keep_last, background=ckpt.async_save, at_phase=faults.inject)
+    checkpointer = Checkpointer(
+        run_dir, runtime, ckpt.keep_last, background=ckpt.async_save, at_phase=hooks.faults.inject
+    )
+    step_hooks = StepHooks(hooks, runtime, raw_model, config.train.grad_clip)
     return Session(
-        model, raw_model, optimizer, objective, state, state.step, sampler, loader, val_set, eval_ids, checkpointer,
-        writer, flops_per_token, peak,
+        config, plan, recipe, runtime, step_hooks, profiler, model, raw_model, optimizer, objective, state,
+        state.step, sampler, loader, val_set, eval_ids, checkpointer, writer, flops_per_token, peak,
     )  # fmt: skip
 
 

@@ -23,7 +23,8 @@ from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
 from trainmesh.metrics.monitor import Monitor
-from trainmesh.runtime.runtime import PendingReduce, Runtime
+from trainmesh.runtime.collectives import PendingReduce
+from trainmesh.runtime.runtime import Runtime
 
 log = get_logger(__name__)
 
@@ -146,7 +147,11 @@ class MetricsWindow:
         if self.plan.tokens_per_sample:
             tokens_per_s = self.plan.tokens_per_step * self.steps / elapsed
             metrics["tokens_per_s"] = tokens_per_s
-            value = mfu(self.flops_per_token, tokens_per_s / self.runtime.devices, self.peak)
+            value = mfu(
+                self.flops_per_token,
+                tokens_per_s / (self.runtime.world_size * self.runtime.strategy.devices_per_process),
+                self.peak,
+            )
             if value is not None:
                 metrics["mfu"] = value
         if self.runtime.device.type == "cuda":

@@ -1,29 +1,7 @@
-"""`trainmesh plan --calibrate`: measure this machine and save what the plan needs to know about it.
+"""`trainmesh plan --calibrate`: measure this machine (compute, memory bandwidth, contention, tensor parallelism and
+FSDP, collectives), fit each figure to the model estimate.py uses, and save them.
 
-Six measurements, each fitted to the model the time estimate uses (estimate.py), so that the estimate
-reproduces them:
-
-- compute: the configured GPT (its shape and precision), one process, forward + backward timed over a few steps
-  after warm-up, at the configured micro-batch and at a quarter of it; the two medians give a time per step that
-  does not grow with the tokens (kernel launches, Python: `step_overhead`) and the achievable FLOP/s of the rest
-  (model.py's FLOP count), so that pipeline pieces and checkpointed blocks, which run the model on fewer tokens or
-  twice, are timed right; and the forward's share of the time (`forward_share`: what recomputing a checkpointed
-  block costs, and how much backward there is for communication to hide behind).
-- memory bandwidth: the optimizer step with gradient clipping on the same model, timed alike; bytes/s =
-  32 bytes per parameter (estimate.OPTIMIZER_BYTES_PER_PARAM) / the median time.
-- contention (CPU): the same step in one process per core at once; how much slower the slowest is than the
-  process alone (`busy_slowdown`: cores share memory bandwidth and caches, GPUs do not).
-- tensor parallelism and FSDP (CPU, two processes): the model at parallel.tp=2 and under fsdp, timed alike; the
-  share of the per-token work tensor parallelism did not divide (`tp_unsplit`: replicated LayerNorms and loss,
-  DTensor's dispatch), and FSDP's own time per unit (`fsdp_unit_overhead`: its hooks and bookkeeping), are what
-  the estimate, with the collectives costed on the measured links, leaves unexplained.
-- collectives (CPU: two gloo processes on this machine): all-reduce, all-gather, reduce-scatter and a
-  send/receive at sizes from 1 KiB to 16 MiB; for each, latency and bandwidth fitted by least squares to the
-  link model of cluster.py. On a GPU machine with one device there is no peer: the links stay the preset's.
-
-On a CPU every process is one "device" running one thread; a node has as many as there are cores, and each gets
-an equal share of the memory. Communication does not hide behind compute (overlap 0): gloo and the model share
-the cores. What a process holds before the model (torch, the process group) is measured as its resident size.
+Details: docs/internals.md#appsplancalibratepy
 """
 
 from __future__ import annotations
@@ -274,7 +252,7 @@ def _time_layout(rank: int, config: Config, strategy: str, parallel: ParallelCon
     `strategy` and `parallel`, set up as trainmesh sets it up."""
     del rank
     cpu = DistConfig(device="cpu")
-    runtime = Runtime(strategy=strategy, precision=config.train.precision, parallel=parallel, dist=cpu, seed=0)
+    runtime = Runtime(strategy=strategy, precision=config.train.precision, parallel=parallel, dist_config=cpu, seed=0)
     cfg = config.model
     assert isinstance(cfg, GPTConfig)
     model = runtime.setup(GPT(cfg), plan=ParallelPlan(tensor_parallel=parallelize_gpt))

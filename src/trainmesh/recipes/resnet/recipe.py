@@ -81,7 +81,7 @@ class ResNetRecipe(Recipe):
         cfg = config.model
         assert isinstance(cfg, ResNetConfig)
         model: nn.Module = ResNet(cfg)
-        if cfg.norm == "sync_batch" and runtime.dp_size > 1:
+        if cfg.norm == "sync_batch" and runtime.strategy.dp_size > 1:
             # Statistics are synchronised over the data-parallel replicas only (not pipeline peers).
             model = convert_sync_batchnorm(model, runtime.data_parallel_group())  # None: the world
         elif cfg.norm == "sync_batch":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from support import gpt_saved_bytes
-from trainmesh.apps.plan.activations import ATTENTION, GPTActivations, gpt_activations, korthikanti_per_layer
+from trainmesh.apps.plan.activations import ATTENTION, GPTActivations, gpt_activations
 from trainmesh.config.schema import PRECISIONS
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,6 +17,33 @@ PLANNED = [p for p in PRECISIONS if p != "fp8-mixed"]  # trainmesh plan does not
 SHAPE = (3, 4, 64, 96, 24, 2)
 """n_layer, n_head, n_embd, vocab, seq, batch: every width differs (head size 16, seq 24, vocab 96, h 64), so a term
 counted with the wrong one cannot pass."""
+
+
+def korthikanti_per_layer(
+    seq: int,
+    batch: int,
+    n_embd: int,
+    n_head: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198), Table 2:
+    activation bytes per transformer layer, 16-bit activations with 1-byte dropout masks and the attention matrix
+    kept: sbh(34 + 5as/h) alone, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh(34/t + 5as/(ht)) with
+    sequence parallelism too; selective recomputation (`recompute="selective"`) drops the 5as/(ht) term, full
+    recomputation (`recompute="full"`) keeps 2sbh (each layer's input). A published reference to compare with, not
+    what trainmesh saves (gpt_activations): trainmesh keeps LayerNorm inputs in fp32 under the mixed precisions,
+    has no dropout by default and runs fused attention."""
+    s, b, h, a, t = seq, batch, n_embd, n_head, tp
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute={recompute!r} is not one of none, selective, full")
+    attention_matrix = 0.0 if recompute == "selective" else 5 * a * s / (h * t)  # softmax, its dropout mask, output
+    linear = 34 / t if sequence_parallel else 10 + 24 / t
+    return s * b * h * (linear + attention_matrix)
 
 
 def predicted_blocks(acts: GPTActivations, every: int) -> list[int]:

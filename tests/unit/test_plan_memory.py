@@ -9,10 +9,14 @@ from trainmesh.apps.plan.memory import StateBytes, model_states
 
 pytestmark = pytest.mark.timeout(60)
 
+ZERO_PAPER = StateBytes(weights=2, grads=2, optimizer=12)
+"""The ZeRO paper's mixed-precision Adam: fp16 weights and gradients, K = 12 bytes of fp32 state (a test oracle:
+trainmesh's own precisions are StateBytes.adamw)."""
+
 
 def test_the_zero_papers_model_state_table_is_reproduced() -> None:
     """ZeRO (arXiv 1910.02054), figure 1 / section 5: 7.5B parameters, 64 GPUs, fp16 + Adam (K = 12)."""
-    gb = [model_states(7_500_000_000, 64, stage, StateBytes.zero_paper()).total / 1e9 for stage in (0, 1, 2, 3)]
+    gb = [model_states(7_500_000_000, 64, stage, ZERO_PAPER).total / 1e9 for stage in (0, 1, 2, 3)]
     assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
 
 
@@ -24,4 +28,4 @@ def test_trainmesh_precisions_and_bad_input() -> None:
     with pytest.raises(ValueError, match="train.precision='fp8'"):
         StateBytes.adamw("fp8")
     with pytest.raises(ValueError, match="ZeRO stage 4"):
-        model_states(1000, 2, 4, StateBytes.zero_paper())
+        model_states(1000, 2, 4, ZERO_PAPER)

@@ -4,6 +4,8 @@ validation metrics, and SyncBatchNorm without a process group."""
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,14 @@ from trainmesh.config.schema import DistConfig
 from trainmesh.job.resolve import load_config
 from trainmesh.layers import SyncBatchNorm, convert_sync_batchnorm
 from trainmesh.recipes.resnet import ResNet, ResNetConfig, ResNetRecipe
-from trainmesh.recipes.resnet.data import Augment, ImageDataset, TensorImages, load_image_data, split_ids
+from trainmesh.recipes.resnet.data import (
+    DIGITS_FILE,
+    Augment,
+    ImageDataset,
+    TensorImages,
+    load_image_data,
+    split_ids,
+)
 from trainmesh.recipes.resnet.model import count_macs
 from trainmesh.train.loop import _evaluate
 
@@ -76,6 +85,20 @@ def test_digits_split_is_fixed_and_disjoint() -> None:
     assert set(a.val.source.labels) == set(range(10))
     train_ids, val_ids = split_ids(1797, 0.2)
     assert not set(train_ids) & set(val_ids) and len(train_ids) + len(val_ids) == 1797
+
+
+def test_the_digits_ship_with_trainmesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded digits are the package's own file (scikit-learn's digits.csv.gz, byte for byte), read without
+    scikit-learn, with their licence beside them."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # any import of scikit-learn fails
+    data = load_image_data("embedded", 8, 0, 0.2, Augment(0, False), seed=0)
+    assert len(data.train.source) + len(data.val.source) == 1797
+    pixels = data.train.source.images * 16  # type: ignore[attr-defined]  # 8×8: no resize, counts 0..16
+    assert torch.equal(pixels, pixels.round()) and pixels.min() == 0 and pixels.max() == 16
+    assert hashlib.sha256(DIGITS_FILE.read_bytes()).hexdigest() == (
+        "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"
+    )
+    assert "CC BY 4.0" in DIGITS_FILE.with_name("digits.LICENSE").read_text(encoding="utf-8")
 
 
 def test_augmentation_is_a_function_of_seed_pass_and_image() -> None:
@@ -137,7 +160,7 @@ def test_image_folder_loader(tmp_path: Path) -> None:
 def test_evaluation_reports_top1_from_one_forward() -> None:
     recipe = ResNetRecipe()
     config = load_config(None, ["--model.width=4", "--model.image_size=16"], "resnet")
-    runtime = Runtime(strategy="single", dist=DistConfig(device="cpu"))
+    runtime = Runtime(strategy="single", dist_config=DistConfig(device="cpu"))
     _, val = recipe.prepare(config, runtime)
     model = recipe.build_model(config, runtime)
     ids = [[0, 1, 2, 3], [4, 5, 6]]

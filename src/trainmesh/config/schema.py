@@ -277,7 +277,7 @@ class OptimConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "embedded"
-    """embedded (gpt: the Python standard library's source; resnet: scikit-learn's digits) | a text file or
+    """embedded (gpt: the Python standard library's source; resnet: UCI's handwritten digits, shipped) | a text file or
     a folder of token shards, e.g. from `trainmesh data prepare` (gpt) | a folder of class sub-folders of
     images (resnet)."""
     tokenizer: str = "byte"

@@ -6,7 +6,7 @@ Model states (Rajbhandari et al., ZeRO, arXiv 1910.02054, section 5): weights, g
 parameter, each either replicated or partitioned over the N data-parallel ranks. Stage 0 (DDP) keeps all three
 whole, stage 1 partitions the optimizer state, stage 2 also the gradients, stage 3 (FSDP full shard) also the
 weights. With the paper's fp16 weights and gradients and fp32 Adam (12 bytes: master weights and two moments),
-7.5B parameters on 64 GPUs give its 120 / 31.4 / 16.6 / 1.9 GB.
+7.5B parameters on 64 GPUs give its 120 / 31.4 / 16.6 / 1.9 GB (tests/unit/test_plan_memory.py).
 """
 
 from __future__ import annotations
@@ -51,11 +51,6 @@ class StateBytes:
     grads: float
     optimizer: float
     """Everything the optimizer keeps besides: for mixed precision, the fp32 master weights too."""
-
-    @classmethod
-    def zero_paper(cls) -> StateBytes:
-        """The ZeRO paper's mixed-precision Adam: fp16 weights and gradients, K = 12 bytes of fp32 state."""
-        return cls(2, 2, 12)
 
     @classmethod
     def adamw(cls, precision: str) -> StateBytes:

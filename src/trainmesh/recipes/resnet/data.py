@@ -1,7 +1,8 @@
-"""Images for the ResNet recipe: scikit-learn's bundled digits (nothing to download) or a folder tree.
+"""Images for the ResNet recipe: the digits trainmesh ships (nothing to download) or a folder tree.
 
 Sources (`data.source`):
-- `embedded` (or `digits`): the 1,797 8×8 grayscale digits scikit-learn ships, upscaled (bilinear).
+- `embedded` (or `digits`): the 1,797 8×8 grayscale digits of digits.csv.gz (UCI's optdigits test set, the
+  file scikit-learn ships as load_digits; licence: digits.LICENSE), upscaled (bilinear).
 - a folder `root/<class>/<image>` (class = sub-folder, sorted by name, as torchvision's ImageFolder), or
   `root/train/<class>/...` plus `root/val/<class>/...` for a given split. Files: .png/.jpg/.jpeg/.bmp/
   .gif/.webp (needs Pillow) or .npy arrays of shape (H, W) or (H, W, C), uint8 0..255 or float 0..1.
@@ -24,6 +25,7 @@ datasets of over 2M images, whose single pass repeats its augmentation every sam
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from torch.utils.data import Dataset
 from trainmesh.core.errors import UserError
 
 DIGITS_SOURCES = ("embedded", "digits")
+DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")  # package data (pyproject.toml), CC BY 4.0: digits.LICENSE
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 SPLIT_SEED = 0  # the train/val split never depends on run.seed
 AUGMENTED_IDS = 2**22  # training ids in all when augmenting (passes = this // images)
@@ -157,7 +160,7 @@ def load_image_data(
     """Train and validation datasets for `data.source`; `in_channels` 0 keeps the source's own."""
     if source in DIGITS_SOURCES:
         train_src, val_src, classes = _digits(image_size, in_channels or 1, val_fraction)
-        name = "scikit-learn digits"
+        name = "embedded digits"
     else:
         train_src, val_src, classes = _folder(Path(source).expanduser(), image_size, in_channels or 3, val_fraction)
         name = f"image folder {source}"
@@ -180,18 +183,12 @@ def split_ids(n: int, val_fraction: float) -> tuple[list[int], list[int]]:
 
 
 def _digits(size: int, channels: int, val_fraction: float) -> tuple[ImageSource, ImageSource, list[str]]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:
-        raise ModuleNotFoundError(
-            "data.source='embedded' (scikit-learn's digits) needs scikit-learn, which is not installed. "
-            "Fix: pip install 'scikit-learn>=1.3' into trainmesh's environment (e.g. .venv/bin/pip install ...), "
-            "or set data.source to an image folder."
-        ) from e
-    digits = load_digits()
-    images = torch.from_numpy(np.asarray(digits.images, dtype=np.float32) / 16.0).unsqueeze(1)  # (N, 1, 8, 8)
+    with gzip.open(DIGITS_FILE, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.uint8)  # (N, 65): 8×8 pixel counts 0..16, then the digit
+    pixels = table[:, :64].astype(np.float32) / 16.0
+    images = torch.from_numpy(pixels).view(-1, 1, 8, 8)  # (N, 1, 8, 8), rows of the image as in the file
     images = match_channels(resize(images, size), channels)  # (N, C, S, S)
-    labels = [int(t) for t in digits.target]
+    labels = [int(t) for t in table[:, 64]]
     train_ids, val_ids = split_ids(len(labels), val_fraction)
 
     def subset(ids: list[int]) -> TensorImages:

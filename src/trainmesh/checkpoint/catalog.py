@@ -1,17 +1,7 @@
-"""The checkpoints of one run: where they live, which one to resume from, which ones to delete.
+"""The checkpoints of one run: where they live, which one to resume from (the newest that verifies; `latest` is only a
+hint), which ones to set aside or delete.
 
-    <run>/checkpoints/step_00000300/     committed (renamed into place after its manifest was written)
-    <run>/checkpoints/.step_00000400.tmp/  a save in progress, or one that crashed: never resumed
-    <run>/checkpoints/step_00000200.corrupt/  failed verification: kept for inspection, never resumed
-    <run>/checkpoints/step_00000100.foreign/  holds another step than its name says (another run's)
-    <run>/checkpoints/latest             the name of the newest committed checkpoint (a hint)
-
-Resuming picks, by the step they hold, the newest checkpoint that verifies against its manifest and
-whose trainer state, DCP metadata and RNG files read safely; `latest` is only a hint, so a crash or a full disk
-between a commit and the pointer's update loses nothing. A bad checkpoint is reported with the offending
-file and moved aside, and the previous one is tried (or the run aborts, with `checkpoint.on_corrupt=abort`).
-Only names this module creates are ever listed, renamed or deleted, symlinks are never followed, and
-nothing outside `<run>/checkpoints` is touched.
+Details: docs/internals.md#checkpointcatalogpy
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""`trainmesh ckpt export`: a checkpoint's model weights as one safetensors file, bit for bit, or as a folder in
-another program's format (`export_folder`; the recipe converts, e.g. the GPT to Hugging Face's GPT-2).
+"""`trainmesh ckpt export`: a checkpoint's model weights as one safetensors file, bit for bit, or as a folder in another
+program's format (the recipe converts). The checkpoint is verified first; the output is written atomically.
 
-    trainmesh ckpt export runs/<name>                       # its newest checkpoint that verifies
-    trainmesh ckpt export runs/<name>/checkpoints/step_00000300 -o model.safetensors
-    trainmesh ckpt export --format hf runs/<name>           # -> runs/<name>/export/hf_step_XXXXXXXX/
-
-The checkpoint is verified against its manifest before anything in it is read (an unverified one is
-refused, with its problems). The default output is `<run>/export/model_step_XXXXXXXX.safetensors`; an
-existing file is replaced only with `force`, and the file is written under a temporary name and
-renamed into place, so a failed export leaves nothing behind. An output inside a checkpoint, or inside a run's
-checkpoints/ folder, is refused: a checkpoint holding a file its manifest does not list fails verification.
-A folder export lists its files in `trainmesh_export.json`, and `force` replaces only an empty folder or an
-earlier export's (core/files.py `FolderOwner`, the rule data prepare's --force follows too), never a folder
-of the user's own files. Exported files get the mode of any new file under the user's umask (0644 under the
-usual 022).
-
-Tensors keep their names (as in the model's `state_dict()`), dtypes and values exactly. Tied weights
-(the GPT recipe's `wte.weight` and `lm_head.weight`) are kept under both names, each with its own
-copy of the data: safetensors refuses tensors that share memory, and with both names present
-`model.load_state_dict(load_file(path), strict=True)` accepts the file (loading re-ties nothing: it
-copies the same values into the one shared parameter twice). The header metadata (string to string)
-holds `format=pt`, the step, the recipe, the model config as JSON and the versions that saved the
-checkpoint and that exported it.
+Details: docs/internals.md#checkpointexportpy
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""`trainmesh ckpt verify|inspect`: check and describe checkpoints offline, in one process.
+"""`trainmesh ckpt verify|inspect`: check and describe checkpoints offline, in one process; verification gates
+everything else.
 
-Verification comes first and gates everything else: the files must match the manifest (no damage), and
-what they hold must read as a trainmesh checkpoint: a valid trainer state, and DCP metadata that the
-allow-listing unpickler of reader.py accepts (a checkpoint from elsewhere cannot run code here).
-
-The model's parameters are counted as the run counted them (each once, buffers aside), though DCP stores a tied
-weight (the GPT's `lm_head.weight`, which is `wte.weight`) once per name, as two copies that share nothing, and
-its metadata cannot tell a buffer from a parameter. The optimizer can: its state holds each trained parameter once,
-under one name. A model tensor without state of its own is a tied copy when its values are those of one with state
-(`tied_copies`), else a buffer (or a frozen parameter).
+Details: docs/internals.md#checkpointinspectpy
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Integrity of a checkpoint directory: a manifest of every file's size and SHA-256.
+"""Integrity of a checkpoint directory: a manifest of every file's size and SHA-256, written last, verified before
+anything is parsed, hashed in parallel over the ranks.
 
-The manifest is written last, just before the directory is committed by rename. Verification checks
-it before anything in the checkpoint is parsed or unpickled (DCP's `.metadata` is a pickle), so a
-flipped byte, a truncated shard or a garbled metadata file is reported and never loaded. Hashing is
-spread over the ranks (file i goes to rank i mod world size), so a large checkpoint is hashed in
-parallel.
+Details: docs/internals.md#checkpointmanifestpy
 """
 
 from __future__ import annotations

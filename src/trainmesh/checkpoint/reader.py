@@ -1,21 +1,7 @@
-"""Reading a checkpoint folder that may come from anyone, without letting it run code.
+"""Reading a checkpoint folder that may come from anyone, without letting it run code: `SafeReader` and
+`SafeLoadPlanner`, which every `dcp.load` in trainmesh uses.
 
-The manifest (manifest.py) shows that a checkpoint holds what was written; it cannot show who wrote it,
-since anyone can rewrite a manifest. So everything trainmesh reads from a checkpoint goes through here:
-
-- DCP's `.metadata` is a pickle. It is read by an unpickler that builds only what DCP's metadata is
-  made of (its dataclasses, `torch.Size`, dtypes, layouts, paths); any other global is refused before
-  it is looked up, naming the file and the class, and attributes are set on metadata instances only.
-- Every shard file the metadata names must be a plain file directly in the checkpoint folder, so a
-  forged metadata cannot make DCP read a file elsewhere.
-- DCP stores non-tensor values (the optimizer's hyperparameters) as `torch.save`d bytes, and its
-  default planner loads them with `weights_only=False` (torch 2.13, default_planner.py,
-  `DefaultLoadPlanner.load_bytes`); `SafeLoadPlanner` loads them with `weights_only=True`. DCP loads
-  tensors with `weights_only=True` itself.
-- Each rank's `rng/rank_<r>.pt` loads with `weights_only=True`, never through a symlink, and must hold RNG
-  states that torch, NumPy and Python accept (`read_rank_file`).
-
-`SafeReader` and `SafeLoadPlanner` are what every `dcp.load` in trainmesh uses.
+Details: docs/internals.md#checkpointreaderpy
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class Checkpointer:
             stager.close()
 
     def _complete(self, job: _Save) -> None:
-        """Steps 2-4 of the module docstring (in the background thread for async saves)."""
+        """Steps 2-4 of docs/internals.md#checkpointsaverpy (in the background thread for async saves)."""
         rt = self.runtime
 
         def write_mine() -> None:

@@ -1,8 +1,7 @@
-"""`trainer_state.json`: everything besides tensors that a resume needs, validated when it is read.
+"""`trainer_state.json`: everything besides tensors that a resume needs, every value checked for type and range when it
+is read.
 
-A checkpoint may come from anywhere, so every value is checked for type and range before it is used: a
-violation makes the checkpoint invalid (catalog.py sets it aside and falls back to an older one), never a
-`TypeError` halfway through a resume or a run that thinks it has already finished.
+Details: docs/internals.md#checkpointstatepy
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""`trainmesh ckpt upgrade`: rewrite a checkpoint saved by an older trainmesh in the current layout, offline.
+"""`trainmesh ckpt upgrade`: rewrite a checkpoint saved by an older trainmesh in the current layout, offline. The recipe
+converts the tensors; this module verifies, writes the new checkpoint beside the old and swaps them.
 
-The recipe that saved it knows what changed in its model (e.g. the GPT's three q/k/v projections became
-one) and converts the full state in memory; this module does the rest, in one process:
-
-    verify the checkpoint (manifest, trainer state, DCP metadata through the safe reader)
-    read every tensor, let the recipe convert them
-    write the converted state as a new checkpoint beside it (DCP, the trainer state and RNG files copied,
-        a fresh manifest), verify that
-    swap: the original becomes <name>.pre-upgrade (kept, never listed as a checkpoint), the new one
-        takes its name
-
-A crash before the swap leaves the original in place; between the two renames, it leaves the original
-under its .pre-upgrade name: rename it back to its step_* name and run the upgrade again.
+Details: docs/internals.md#checkpointupgradepy
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""The `trainmesh` command: run, check, bench, plan, env, slurm, k8s, ckpt, data, horovodrun.
+"""The `trainmesh` command: run, check, bench, plan, env, slurm, k8s, ckpt, data, horovodrun. This module only parses
+(no torch: `--help` is instant), then imports the verb's own module.
 
-trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
-trainmesh run examples/custom_loop.py --epochs 2     # any torchrun-style script
-trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
-trainmesh check gpt --config configs/gpt-tiny.toml --nproc-per-node 2 --parity   # 2 processes train like 1?
-trainmesh bench gpt --config configs/gpt-tiny.toml --nprocs 1,2 --mode both   # weak and strong scaling
-trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4   # every layout: memory, step time
-trainmesh env [--full]                              # --full adds torch.utils.collect_env's report
-trainmesh slurm gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --time 24:00:00 > gpt.sbatch
-trainmesh k8s gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --image REGISTRY/trainmesh:TAG
-trainmesh ckpt verify runs/<run-id>                   # or: ckpt inspect runs/<run-id>/checkpoints/step_...
-trainmesh ckpt export runs/<run-id>                   # newest valid checkpoint -> runs/<run-id>/export/*.safetensors
-trainmesh ckpt export --format hf runs/<run-id>       # ... as a Hugging Face GPT-2 folder (from_pretrained loads it)
-trainmesh horovodrun -np 2 python train.py            # a Horovod script (import trainmesh.horovod as hvd)
-trainmesh data prepare corpus/ --tokenizer gpt2 --out data/corpus   # text, JSON Lines, Parquet -> token shards
-
-This module only parses (every command's flags are in flags.py): it imports no torch, so `trainmesh --help` is
-instant. Each verb is a module of its own here (run.py, check.py, parity.py, bench.py, plan.py, schedulers.py,
-ckpt.py, env.py, data.py, horovodrun.py), imported once the command line is understood; `data prepare` loads no
-torch at all, so neither it nor its tokenising workers carry it.
+Details: docs/internals.md#cli__init__py
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""`trainmesh plan`: every layout of a job on a cluster, its memory per rank and step time, fastest first.
+"""`trainmesh plan`: every layout of a job on a cluster, its memory per rank and step time, fastest first; the fastest
+that fits is printed as a ready `trainmesh run` command.
 
-    trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4 --global-batch 512
-    trainmesh plan --calibrate                 # measure this machine once (saved), then: --cluster this
-
-The table lists, per layout, the micro-batch chosen (the largest that fits), memory per rank by component, the
-predicted step time by phase, tokens per second and MFU; the fastest layout that fits is printed as a ready
-`trainmesh run` command. `--json PATH` writes every row with its assumptions.
+Details: docs/internals.md#cliplanpy
 """
 
 from __future__ import annotations

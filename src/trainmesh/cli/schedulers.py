@@ -1,9 +1,7 @@
-"""`trainmesh slurm` and `trainmesh k8s`: check the config for the job's world sizes, then print its job file.
+"""`trainmesh slurm` and `trainmesh k8s`: check the config for the job's world sizes, then print its job file. Nothing
+is printed when something needs fixing: the error names the flag (exit 2).
 
-    trainmesh slurm gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --time 24:00:00 > gpt.sbatch
-    trainmesh k8s gpt --config configs/gpt2-124m.toml --nodes 4 --gpus-per-node 8 --image REGISTRY/trainmesh:TAG
-
-Nothing is printed when something needs fixing: the error names the flag (exit 2).
+Details: docs/internals.md#clischedulerspy
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""`trainmesh horovodrun`: horovodrun's command line, mapped onto trainmesh run's launch.
+"""`trainmesh horovodrun`: horovodrun's command line mapped onto `trainmesh run`'s launch. One host (this one) maps
+directly; several hosts, and flags without a counterpart, are refused with what to do instead.
 
-    trainmesh horovodrun -np 4 python train.py --epochs 3      # = trainmesh run --nproc-per-node 4 train.py --epochs 3
-    trainmesh horovodrun -np 4 -H localhost:4 python train.py  # the same: one host, this one
-
-horovodrun starts the processes of every host itself, over ssh; torchrun (under trainmesh run) starts those of
-the node it runs on. So one host (this one) maps directly, and several hosts are refused with the command to
-run on each of them. Flags that have no counterpart are refused by name, with what to do instead. Parsing
-imports no torch (`trainmesh horovodrun --help` is instant); launching imports trainmesh.launch.
+Details: docs/internals.md#compathorovodrunpy
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ if TYPE_CHECKING:
 USAGE = """usage: trainmesh horovodrun -np N [-H HOST:SLOTS[,HOST:SLOTS...] | --hostfile FILE] [--start-timeout S]
                             [--gloo] [--verbose] [python [-u]] script.py [args...] | python -m module [args...]
 
-horovodrun's command line on trainmesh run's launcher (torchrun): a Horovod script that imports trainmesh.compat.horovod
+horovodrun's command line on trainmesh run's launcher (torchrun): a Horovod script that imports trainmesh.horovod
 as hvd runs unchanged. One host (none given, or this one) is launched here; several hosts are refused with
 the trainmesh run command to start on each (trainmesh does not ssh into other machines).
 

@@ -1,7 +1,3 @@
-"""The bottom layer: what every other part of trainmesh stands on, importing nothing of trainmesh above it.
-
-Where this process sits in the job (env.py), process-group plumbing (dist.py), rank-aware logging,
-exit codes and the user-error type (errors.py), safe file writes (files.py), stop signals in commands
-that have nothing to save (signals.py), the batch arithmetic (batch.py) and version reports (versions.py,
-report.py).
-"""
+"""The bottom layer, importing nothing of trainmesh above it: where this process sits in the job (env.py), process
+groups (dist.py), rank-aware logging, errors and exit codes (errors.py), safe file writes (files.py), stop signals
+(signals.py), batch arithmetic (batch.py), versions (versions.py, report.py)."""

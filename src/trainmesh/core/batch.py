@@ -1,16 +1,7 @@
-"""Batch arithmetic: global batch = micro-batch × accumulation steps × data-parallel ranks.
+"""Batch arithmetic: global batch = micro-batch × accumulation steps × data-parallel ranks, refused before launch when
+it does not divide; and the loss normalisation that makes the accumulated gradient exactly the global mean's.
 
-The user states the global batch (in samples, or in tokens for token recipes) and the micro-batch that
-fits in memory; the accumulation count follows, and a configuration that does not divide is refused
-before any process starts, with the arithmetic in the message.
-
-Loss normalisation. Each optimizer step must minimise the mean loss over every target (token or
-sample) of the global batch. Averaging per micro-batch means and then over micro-steps is wrong as
-soon as micro-batches hold different numbers of targets (padding, ignore_index); this is the
-gradient-accumulation bug that hit several libraries in 2024. Here the recipe returns the *summed*
-loss of a micro-batch, the number of targets of the whole global batch is all-reduced before the first
-backward, and every micro-step backpropagates `sum × dp_size / global_count`: data parallelism divides
-the summed gradients by dp_size, so the result is exactly the gradient of the global mean.
+Details: docs/internals.md#corebatchpy
 """
 
 from __future__ import annotations

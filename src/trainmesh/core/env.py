@@ -1,23 +1,7 @@
-"""Who am I in the job? `DistEnv` is read once, from torchrun, an MPI launcher, SLURM or a plain process.
+"""Who am I in the job? `DistEnv` is read once: from torchrun, an MPI launcher, SLURM or a plain process, first match
+wins, or from a process group that already exists.
 
-Precedence, first match wins:
-
-1. torchrun's variables (RANK/LOCAL_RANK/WORLD_SIZE, also set by `trainmesh run`): a launcher started
-   inside another one (torchrun under mpirun or srun) numbers the processes that actually train.
-2. An MPI launcher's (`mpirun`/`mpiexec python -m trainmesh ...`): Open MPI's OMPI_COMM_WORLD_*,
-   MVAPICH2's MV2_COMM_WORLD_*, MPICH's and Intel MPI's (Hydra) PMI_RANK/PMI_SIZE with
-   MPI_LOCALRANKID/MPI_LOCALNRANKS. They come before SLURM's because they are set by the launcher that
-   started this very process, while SLURM_* variables are inherited: an `mpirun` inside an sbatch script
-   passes on the batch step's SLURM_PROCID (0 in every process) or that of the per-node daemon srun
-   started. Under `srun --mpi=pmi2` both sets are there and agree, so the order costs nothing.
-   PMIX_RANK alone is not read: PMIx puts the rank but not the size in the environment, and every
-   launcher that sets it also sets a complete set (Open MPI's mpirun its OMPI_ ones, srun its SLURM_ ones).
-3. SLURM's (`srun python -m trainmesh ...`: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node list,
-   whose first host becomes the master).
-4. Otherwise a single plain process (world size 1).
-
-Where a process group exists before trainmesh looks (Ray Train sets one up in each of its workers), rank and
-world size are the group's: `from_process_group`.
+Details: docs/internals.md#coreenvpy
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Errors the user can fix, and the exit codes trainmesh's processes end with.
-
-A `UserError`'s message says what was given, what is allowed and how to fix it; the worker and the CLI
-print it as one line (per rank) without a traceback, and exit with `EXIT_USER_ERROR`. Anything else is a
-bug or a fault and keeps its traceback.
-"""
+"""Errors the user can fix and the exit codes trainmesh's processes end with. A `UserError` says what was given, what is
+allowed and how to fix it; it prints as one line per rank, without a traceback, and exits `EXIT_USER_ERROR`. Anything
+else keeps its traceback."""
 
 from __future__ import annotations
 

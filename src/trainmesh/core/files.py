@@ -1,23 +1,7 @@
-"""Files under a run folder: every path stays inside it, and nothing is written through a symlink.
+"""Files under a run folder: every path stays inside it and nothing is written through a symlink. Whole folders are
+committed by rename; `--force` replaces only a folder trainmesh wrote (`FolderOwner`).
 
-A run folder may live in shared scratch space or be copied from elsewhere, and whoever can write into it
-can plant a symlink where trainmesh is about to write (`metrics.jsonl -> ~/.bashrc`) or read
-(`checkpoints/latest -> /etc/shadow`). So trainmesh makes and opens files under a run folder only here:
-
-- every directory between the run folder and the file is a real directory, created here if missing (the
-  run folder itself may be a symlink: that is where its owner chose to put it);
-- files are opened with O_NOFOLLOW, so a symlink at the file's own name is refused (ELOOP);
-- a file replaced as a whole is written under a fresh temporary name (O_EXCL) and renamed over the old
-  one, which replaces a symlink there instead of writing through it;
-- a new file gets the mode any program's new file gets, 0666 less the user's umask (0644 under the usual
-  022), also when a library wrote it (`replace_file`).
-
-A folder written as a whole (an export, prepared token shards) is built under a temporary name beside its
-destination and committed by `replace_folder`: made durable and renamed into place; an old folder there is
-replaced only when asked (and put back if the rename fails), and a symlink there is never followed. The one
-rule for replacing (`--force`): a command replaces only a folder it wrote (`FolderOwner`): an empty one, or
-one holding its marker file and only the files that marker lists; the old folder is checked again once moved
-aside, and only the files it lists are deleted, so a file written there meanwhile is never lost.
+Details: docs/internals.md#corefilespy
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""A worker ends with its launcher. When the process that started it (torchrun's agent, which `trainmesh run` is;
-srun's step daemon; mpirun's) dies, SIGKILLed, killed for memory or lost with its node, the worker and its
-DataLoader processes stop at once, without saving: re-parented to init, they would otherwise train on unseen and
-write checkpoints into a run folder that a new launch may already have taken.
+"""A worker ends with its launcher: when the process that started it dies, the worker and its DataLoader processes stop
+at once, without saving (`die_with_parent`, `watch_parent`).
 
-Each process applies this to itself, so it holds under any launcher:
-- `die_with_parent`: Linux's parent-death signal (prctl PR_SET_PDEATHSIG), SIGKILL the moment the parent goes.
-  The kernel sends it when the *thread* that forked the process ends, so it is set only where that thread is
-  known to live as long as the parent: torch's agent starts its workers from its main thread.
-- `watch_parent`: a thread that checks every second whether the parent changed, then kills this process's
-  children and itself. It covers the other launchers (srun, mpirun) and systems without prctl.
-DataLoader workers need neither: torch's own watch in each ends it within 5 s of its training process.
-The parent to watch is the launcher's pid as it started the worker (TRAINMESH_LAUNCHER_PID, set by `trainmesh
-run`), else the parent this process has as it starts: read first thing, before torch is imported.
+Details: docs/internals.md#coreorphanspy
 """
 
 from __future__ import annotations

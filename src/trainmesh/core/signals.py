@@ -1,15 +1,7 @@
-"""Stop signals in a command that has nothing to save (`trainmesh data prepare`): stop at once, but let its
-cleanup and its commit run whole.
+"""Stop signals in a command that has nothing to save (`trainmesh data prepare`): SIGTERM raises `Terminated` as SIGINT
+raises KeyboardInterrupt, and `signals_held` keeps a commit or cleanup whole.
 
-Training handles SIGTERM by saving a checkpoint first (train/preemption.py). A command without a checkpoint
-just stops, like Ctrl-C: `sigterm_raises` makes SIGTERM raise `Terminated` in the main thread, as SIGINT
-raises KeyboardInterrupt, so that `except`/`finally` cleanup runs where the default action would end the
-process on the spot and leave its temporary files. `Terminated` is a BaseException, so that no
-`except Exception` mistakes it for an error of its own. Such a command exits with EXIT_TERMINATED.
-
-An exception can arrive between any two lines, so the few steps that must not be cut in half (moving a
-folder aside and another into place, removing a staging folder) run under `signals_held`: SIGINT and
-SIGTERM are recorded there and delivered again on leaving it.
+Details: docs/internals.md#coresignalspy
 """
 
 from __future__ import annotations

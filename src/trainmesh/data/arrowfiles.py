@@ -1,11 +1,7 @@
-"""Arrow data that prepare reads, validated in full before it is read: a saved dataset's files, Parquet's batches.
+"""Arrow data that prepare reads (a saved dataset's files, Parquet's batches), validated in full before it is read, so a
+damaged or tampered file is an error, not a segfault.
 
-`datasets.load_from_disk` memory-maps the files a saved dataset's state.json lists and trusts their buffers: one
-string offset out of range in a tampered or damaged file crashed prepare with a segfault (no message, its staging
-folder left behind), a negative one with a traceback. So prepare first checks every record batch of those files
-with pyarrow's full validation (offsets in range and increasing, UTF-8 valid, buffers as large as they claim),
-which reads the data once more through the memory map but allocates nothing in proportion to it. Parquet's
-batches are checked likewise as they are read: a string that is not UTF-8 was a UnicodeDecodeError's traceback.
+Details: docs/internals.md#dataarrowfilespy
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Corpora as memory-mapped token files, tokenised once and cached.
+"""Corpora as memory-mapped token files: the embedded corpus, a text file (tokenised once, cached) or a folder of token
+shards used in place, checked before training.
 
-Sources (`data.source`):
-- `embedded`: the Python standard library's own source, present on every machine with Python —
-  real text, nothing to download.
-- a text file: tokenised with `data.tokenizer`.
-- a folder of token shards, used in place, no copy: one `trainmesh data prepare` wrote (its manifest.json
-  lists the shards and names the tokenizer), or `*train*` / `*val*` files from elsewhere: `.bin` in llm.c's
-  layout or raw uint16 (nanoGPT), or `.npy` (build-nanogpt); see data/shards.py.
-
-Text is tokenised as `trainmesh data prepare` does it (data/prepare.py `build`: each file one document,
-streamed, in parallel processes for large inputs, every k-th block of 65,536 tokens to val) into the cache.
-The cache folder is keyed by a hash of the inputs and committed by an atomic rename, so concurrent builders
-(one per node) cannot leave a half-written cache behind.
-
-Shards are checked before training, in two parts. `shard_corpus` does the cheap part (`trainmesh check` runs
-it too): the manifest's shards must be files inside the folder whose headers agree with their sizes and the
-manifest's token counts, and every other shard must read as one. `check_token_range`, once per node at the
-start, reads every shard whole: it refuses token ids outside the model's vocabulary (on a GPU such an id is a
-device-side assert in the embedding, far from its cause) and a prepared shard whose SHA-256 is not its
-manifest's. What a scan found is cached beside the tokenised corpora, keyed by the file's identity and status
-change time as well as its size and mtime: `cp -p` and `rsync -t` restore an mtime, but nothing restores a
-ctime, so a shard rewritten in any way is read again.
+Details: docs/internals.md#datacorpuspy
 """
 
 from __future__ import annotations

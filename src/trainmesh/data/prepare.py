@@ -1,16 +1,7 @@
-"""`trainmesh data prepare`: documents in, llm.c-style token shards and a manifest out.
+"""`trainmesh data prepare`: documents in, llm.c-style token shards and a manifest out, streamed end to end and
+committed from a staging folder by rename.
 
-    sources.py     input paths -> sources -> documents (text streamed in pieces: textstream.py)
-    encode.py      pieces -> token ids, in parallel processes, in order, each document after `eot`
-    split.py       the token stream -> train / val (every k-th block of 65,536 tokens is val)
-    shards.py      each split -> `<name>_<split>_000000.bin`, ... (llm.c's header, uint16 tokens)
-    manifest.py    manifest.json: tokenizer, shards and their SHA-256, inputs and theirs, counts, options
-
-The output is built in a hidden staging folder beside `--out` and renamed into place when complete, so an
-interrupted run leaves no folder that looks prepared; Ctrl-C, and SIGTERM from the CLI (core/signals.py),
-remove the staging folder, and wait for the rename (or the removal) to finish if they arrive during it. The
-data is streamed end to end: memory does not grow with the corpus. The GPT recipe's text-file source
-tokenises through `build` too (data/corpus.py).
+Details: docs/internals.md#datapreparepy
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Which samples each rank reads at each step: deterministic, disjoint, world-size independent.
+"""Which samples each rank reads at each step: deterministic, disjoint and independent of the world size, continued from
+a `DataPosition` stored in every checkpoint (exact resume).
 
-The global order is defined without reference to the number of ranks: epoch e is a permutation of all
-sample ids drawn from (seed, e), and optimizer step s consumes the next `global_batch` ids of it. Those
-ids are cut into micro-batches of `micro_batch`; micro-batch j goes to data-parallel rank j % dp_size
-as its accumulation slot j // dp_size. So every step trains on the same set of samples whether it runs
-on 1, 2 or 8 ranks, and the ranks never overlap.
-
-The position in the data is (epoch, samples of that epoch's order consumed): a `DataPosition`, stored in
-every checkpoint. A step takes the next `global_batch` ids of the epoch's order; when fewer remain, they
-are dropped (the ragged end) and the next epoch begins. A resume continues from the stored position, so
-it repeats and skips no sample even when the global batch changed in between (another number of
-processes or micro-batch with `train.global_batch` unset): the basis of exact resume.
+Details: docs/internals.md#datashardingpy
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""Token shards on disk: llm.c's `.bin` layout (written and read), raw uint16 `.bin` and `.npy` (read).
+"""Token shards on disk: llm.c's `.bin` layout (written and read), raw uint16 `.bin` and `.npy` (read); a file whose
+header and size disagree is refused.
 
-llm.c's layout (`dev/data/data_common.py`, `write_datafile`), which `trainmesh data prepare` writes:
-
-| offset (bytes) | type            | meaning                                                       |
-|----------------|-----------------|---------------------------------------------------------------|
-| 0              | int32           | magic 20240520                                                |
-| 4              | int32           | version: 1 = uint16 tokens (GPT-2-sized vocabularies)         |
-| 8              | int32           | token count N                                                 |
-| 12 .. 1023     | int32 × 253     | zero                                                          |
-| 1024           | uint16 × N      | the tokens, little-endian                                     |
-
-A `.bin` whose first int32 is the magic is read as llm.c's, and refused (naming the file) when its version
-is unknown or its size is not 1024 + 2·N bytes: a truncated copy must not train as a shorter corpus. llm.c's
-other token layout, "llama-3" (magic 20240801, version 7, uint32 tokens), is recognised by its magic and
-refused: trainmesh stores uint16 ids only, and read as uint16 those files would train on header ints and
-halves of ids. Any other `.bin` is raw uint16 tokens (nanoGPT's train.bin): llm.c's magics read as two
-tokens would be the pairs (55432, 308) and (55713, 308), each followed by (1, 0) or (7, 0), which a raw
-shard does not start with by chance, and the size check confirms it.
+Details: docs/internals.md#datashardspy
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""What `trainmesh data prepare` reads: input paths turned into sources, and sources into documents.
+"""What `trainmesh data prepare` reads: input paths (files and folders of text, JSON Lines, Parquet, saved datasets)
+turned into sources, and sources into documents.
 
-Inputs are files and folders. A folder is walked recursively, depth first, each folder's entries in sorted
-name order, skipping hidden entries (a leading dot) and files of other kinds, following symlinks but never
-into a folder already visited (so a symlink loop ends). A folder holding a Hugging Face dataset written by
-`save_to_disk` is one source, not walked into. A folder of token shards an earlier prepare wrote (its
-manifest.json is trainmesh's) is skipped with a warning: its manifest is no JSON Lines file, its shards no
-text; named as an input itself, it is refused. A file named on the command line is read by its suffix, and
-as text when the suffix is none of these:
-
-| kind    | suffixes                          | a document is                                   |
-|---------|-----------------------------------|-------------------------------------------------|
-| text    | .txt .text .md .markdown .rst     | the whole file                                  |
-| jsonl   | .jsonl .ndjson .json              | one line: a JSON object, its `--text-field`     |
-| parquet | .parquet                          | one row: its `--text-field` column              |
-| hf      | a `save_to_disk` folder           | one row: its `--text-field` column              |
-
-Text and JSON Lines files may be compressed: .gz, .bz2, .xz (read by the standard library as they stream).
-A JSON Lines line that is not an object with a string `--text-field` stops the run with an error naming
-file:line (blank lines are skipped): it is a wrong `--text-field` or a damaged file far more often than a
-document worth dropping, and a silent skip would change the data unseen; so do a line longer than
-`MAX_RECORD_BYTES` (read with that bound, never whole) and JSON nested too deeply for Python's parser. A lone
-UTF-16 surrogate in a JSON string, which UTF-8 cannot encode, becomes U+FFFD with a warning. Parquet and
-dataset rows whose text is null stop the run, naming the row; a saved dataset's Arrow data is validated in full
-once it is found (`check_readers`), and Parquet's as it is read (data/arrowfiles.py).
+Details: docs/internals.md#datasourcespy
 """
 
 from __future__ import annotations

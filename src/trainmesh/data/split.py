@@ -1,14 +1,7 @@
-"""The train/validation split of a token stream: every k-th block of 65,536 tokens is validation.
+"""The train/validation split of a token stream: every k-th block of 65,536 tokens is validation, the same split for any
+number of workers.
 
-The stream (documents with their separators, in input order) is cut into blocks of `VAL_BLOCK_TOKENS`;
-block i goes to val when i % k == k - 1, k = max(2, round(1 / val_fraction)), and to train otherwise. The
-rule reads the token stream only, so the split is the same for any number of workers, holds for a corpus of
-one document as well as of millions, and draws validation text from all over the corpus, not from its first
-or last files alone. A block boundary may fall inside a document, which then has text on both sides.
-
-A corpus shorter than k blocks has no k-th block: its last round(val_fraction × tokens) tokens (at least
-one) are val. To know that in time, the train blocks before the first val block are held in memory, at most
-k - 1 blocks (2.4 MiB at val_fraction 0.05; 128 MiB at 0.001).
+Details: docs/internals.md#datasplitpy
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""A text file as a stream of pieces, cut where tokenising the pieces gives the tokens of the whole file.
+"""A text file as a stream of pieces of about 1 MiB, cut where the pre-tokeniser splits anyway, so that tokenising the
+pieces gives the tokens of the whole file.
 
-A text file is one document, however big: it is read in 1 MiB blocks and handed on in pieces of about
-1 MiB, so memory stays flat. BPE tokenizers split text into words before merging (GPT-2's pre-tokeniser:
-letters, digits, other symbols, runs of whitespace), and no token spans two of those pieces; so encoding
-two halves gives the tokens of the whole exactly when the cut falls where the pre-tokeniser splits
-anyway, whatever text lies on either side. A newline between two characters that are not whitespace is
-such a place for GPT-2's pattern (and GPT-4's): `…word\\n|Next…`. A piece therefore ends after the last
-such newline in it, and its tokens are those of the whole file; the byte tokenizer is indifferent.
-
-Text without such a newline in 4 MiB (one enormous line, Windows CRLF line ends, lines that all start or
-end with spaces) is cut after its last newline, or at 4 MiB when it has none; there the tokens may differ
-from the whole file's for a few characters on either side of the cut (counted and logged). Bytes that are
-not UTF-8 become U+FFFD, with a warning naming the file and the first such byte.
+Details: docs/internals.md#datatextstreampy
 """
 
 from __future__ import annotations

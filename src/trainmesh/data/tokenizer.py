@@ -1,10 +1,7 @@
-"""Tokenizers are pluggable: anything with `name`, `vocab_size`, `encode` and `decode`.
+"""Tokenizers are pluggable: anything with `name`, `vocab_size`, `encode` and `decode`, registered with
+`register_tokenizer` and chosen with `data.tokenizer=name`; byte-level is the default.
 
-The default is byte-level (vocabulary 256, nothing to download or train); `gpt2` is OpenAI's GPT-2 BPE
-(data/gpt2.py, the `trainmesh[gpt2]` extra). Register another with `register_tokenizer("name", factory)`
-and select it with `data.tokenizer=name`. Tokenising runs in `spawn`ed worker processes when there is much
-text (`trainmesh data prepare --workers`), which build the tokenizer by name: register it at the top level
-of a module (your script included), not under `if __name__ == "__main__":`, so that they register it too.
+Details: docs/internals.md#datatokenizerpy
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""DataLoader worker processes: the training process owns shutdown.
+"""DataLoader worker processes ignore SIGTERM and SIGINT: the training process owns shutdown, so a preemption reaches
+the step boundary where it saves.
 
-A preemption's SIGTERM reaches every process of the job (SLURM signals the whole job step; torchrun's agent
-signals each worker's process group), DataLoader workers included. Left to the default handler, a worker dies
-and the rank fails ("DataLoader worker (pid ...) is killed by signal: Terminated") before it reaches the step
-boundary where it would save. So workers ignore SIGTERM and SIGINT: the training process stops at a step
-boundary and torch's loader ends its workers when the iterator goes away, which `Batches.close` makes happen
-when training ends, however it ends. Should the training process die, torch's
-own watch in each worker ends it within 5 s (and a worker whose launcher died kills them first, core/orphans.py).
+Details: docs/internals.md#dataworkerspy
 """
 
 from __future__ import annotations

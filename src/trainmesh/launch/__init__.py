@@ -1,10 +1,7 @@
-"""Launching: turn `trainmesh run` options into torchrun's and hand off to its elastic agent.
+"""Launching: turn `trainmesh run` options into torchrun's and hand off to its elastic agent, which starts, watches and
+restarts the workers; trainmesh adds defaults and rank logs.
 
-We never manage processes ourselves: torch.distributed.run starts one worker per rank, watches them,
-restarts the group up to `--max-restarts` times, and reports the failed rank. What we add are
-defaults: a free port on loopback for single-node runs, `auto` process counts, every rank's output kept in
-the run folder (launch/rank_logs.py), and a config that has been validated for the planned world size before
-any process starts.
+Details: docs/internals.md#launch__init__py
 """
 
 from __future__ import annotations

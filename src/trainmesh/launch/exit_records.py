@@ -1,16 +1,7 @@
-"""Each worker's exit code, told to the launcher on its node, so that a stop is claimed only when it happened.
+"""Each worker's exit code, told to the launcher on its node through a folder of records, so that a stop with a
+checkpoint (exit 75) is claimed only when it happened.
 
-When torchrun's agent is signalled (SIGTERM from a scheduler, Ctrl-C), it forwards the signal to its
-workers, waits for them (its --shutdown-timeout), SIGKILLs the rest and raises `SignalException`, without
-the workers' exit codes: torch keeps them in private attributes. Yet the launcher's own exit code is a
-promise: 75 says "every rank stopped at a step boundary with a checkpoint", and a scheduler requeues the
-job on it. So the launcher makes a folder on its node and names it to its workers in `ENV_VAR`; each
-trainmesh worker writes a record there, by local rank, when it starts and again as it returns: its exit
-code, and whether it stopped with a checkpoint. A rank whose record has no exit code when the agent is done
-was killed, or crashed (its log says which).
-
-Records are only for the launcher's report: a worker started by anything else (srun, mpirun) has no folder
-named and writes nothing.
+Details: docs/internals.md#launchexit_recordspy
 """
 
 from __future__ import annotations

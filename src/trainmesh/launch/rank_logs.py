@@ -1,19 +1,7 @@
-"""Every rank's stdout and stderr kept in files, through torchrun's own log settings and its `LogsSpecs` hook:
+"""Every rank's stdout and stderr kept in files, `<log dir>/<launch>/attempt_<n>/rank_<r>/`, through torchrun's own
+`LogsSpecs` hook.
 
-    <log dir>/<launch>/attempt_<n>/rank_<r>/stdout.log, stderr.log, error.json
-
-`<log dir>` is `<run>/logs` for a recipe's run (`--log-dir`); `<launch>` is when the launch started
-(YYYYmmdd-HHMMSS, `-2`... for another in the same second), with the host name on a multi-node launch, whose
-every node writes its own ranks' files into its own folder; `attempt_<n>` is torchrun's restart count and
-`rank_<r>` the global rank (`attempt_<n>-2`, `-3`... when nodes join or leave, which restarts the workers
-without counting a restart). torchrun's `--redirects`, `--tee` and `--local-ranks-filter` keep their meaning
-(0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:VALUE,...). trainmesh's default: both streams of every rank
-into its files and local rank 0's on the console too (torchtitan's choice); the launcher names a failed rank's
-file and shows its last lines when the console did not.
-
-torch's own `DefaultLogsSpecs` writes `<log dir>/<rdzv id>_<random>/attempt_<n>/<local rank>/`: a random folder
-name, and local ranks, which repeat on every node. `LaunchConfig.logs_specs` is the documented place for another
-layout (torchrun's flag for one, `--logs-specs`, loads it from an installed entry point).
+Details: docs/internals.md#launchrank_logspy
 """
 
 from __future__ import annotations
@@ -111,7 +99,7 @@ def claim_launch_folder(log_dir: Path, multi_node: bool) -> Path:
 
 
 class RankLogs(LogsSpecs):
-    """torchrun's log files of one launch in `<folder>/attempt_<n>/rank_<r>/` (see the module docstring)."""
+    """torchrun's log files of one launch in `<folder>/attempt_<n>/rank_<r>/` (docs/internals.md#launchrank_logspy)."""
 
     def __init__(
         self,

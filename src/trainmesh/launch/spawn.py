@@ -1,19 +1,7 @@
-"""Helpers for testing distributed code on one machine: N gloo ranks on loopback, with a hard timeout.
+"""Testing distributed code on one machine: `run_distributed` runs a function in N gloo ranks on loopback, forked from a
+preloaded server, with a hard timeout (also `trainmesh.testing`'s).
 
-    def check(rank: int) -> float:                  # runs in every rank, a module-level function
-        rt = Runtime(strategy="ddp")
-        return float(rt.all_reduce(rank, "sum"))
-
-    assert run_distributed(check, world_size=2) == [1.0, 1.0]
-
-Each rank is a fresh process with RANK/WORLD_SIZE/MASTER_* set as torchrun would, the caller's current
-environment, and one thread (OMP_NUM_THREADS=1). Ranks are forked from a server process that has
-imported torch and trainmesh once (multiprocessing's "forkserver" with a preload), so a run costs no
-import time: on a 2-core machine that is several seconds per run. The server is single-threaded and has
-touched no device, so forking it is safe (a spawned process would import everything again). Return
-values travel back serialised with torch.save and are loaded with `weights_only=True`, so they may hold
-tensors, numbers, strings, lists and dicts. If any rank raises, its traceback is re-raised here naming the
-rank; if ranks do not finish within `timeout_s`, all are killed and the ranks that did not report are named.
+Details: docs/internals.md#launchspawnpy
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""SyncBatchNorm that also runs on CPU with gloo: batch statistics over the data-parallel group.
+"""SyncBatchNorm that also runs on CPU with gloo: batch statistics over the data-parallel group through one
+differentiable all-reduce, applied from outside by `convert_sync_batchnorm`.
 
-Why a layer of our own: `torch.nn.SyncBatchNorm` accepts only CUDA tensors, so a config with synced
-batch norm could not run (or be tested) on a CPU box. This one needs nothing but `dist.all_reduce`
-(made differentiable by a small autograd function), which every backend offers on every device, so
-the same config runs under gloo on CPUs and NCCL on GPUs, and the CPU path is the tested one.
-
-Why it lives in `layers/` and not in `strategies/`: a strategy places and wraps a model without
-changing its math; synced statistics change what the forward pass computes, so they are a modelling
-choice a recipe opts into (`model.norm=sync_batch`), applied from outside by `convert_sync_batchnorm`
-like any other plan, with the model code untouched.
-
-The math, per channel, in training mode:
-
-    local  n_r, mean_r, var_r          (torch.var_mean: accurate two-pass statistics on this rank)
-    reduce N = Σ n_r,  S1 = Σ n_r·mean_r,  S2 = Σ n_r·(var_r + mean_r²)      (float64, one all-reduce)
-    mean = S1 / N,  var = S2 / N − mean²                                     (biased, for normalising)
-    y    = (x − mean) / sqrt(var + eps) · weight + bias
-
-The float64 sums keep E[x²] − E[x]² free of cancellation. Autograd differentiates through the
-all-reduce (its backward all-reduces the incoming gradients), so input, weight and bias gradients are
-those of batch norm over the concatenation of all ranks' batches. Running statistics are updated like
-`nn.BatchNorm*` (momentum, or a cumulative average when momentum is None; unbiased N/(N−1) variance),
-from the global statistics, so they stay identical on every rank. In eval mode, or without a process
-group of more than one rank, it is exactly `nn.BatchNorm*` (no communication at all — evaluation may
-give ranks unequal numbers of batches).
+Details: docs/internals.md#layerssync_batchnormpy
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak.
+"""Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak, FLOPs per token counted as nanoGPT
+does; not reported for a device not in the table.
 
-FLOPs per token follow nanoGPT: 6·N + 12·L·H·Q·T (N parameters without position embeddings, L layers,
-H heads, Q head size, T sequence length). Peaks are dense (not 2:4 sparse) figures; on a device not in
-the table MFU is not reported, only tokens/s.
+Details: docs/internals.md#metricsmfupy
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Device and host monitoring for the metrics: what the rank's host and GPU are doing, sampled by a thread
-of its own every few seconds, so the training thread never waits for it (and never syncs the GPU).
+"""Host and GPU monitoring for the metrics, sampled by a thread of its own every few seconds, so the training thread
+never waits for it (or syncs the GPU).
 
-    host_rss_gb          this process's resident memory
-    host_cpu_percent     this process's CPU use since the previous sample (100 = one core)
-    host_mem_percent     the machine's memory in use
-    gpu_util_percent     CUDA, with nvidia-ml-py installed: the GPU's utilisation, power draw and
-    gpu_power_w          temperature, through torch.cuda's NVML readers (which map CUDA_VISIBLE_DEVICES);
-    gpu_temp_c           without nvidia-ml-py they are left out, said once in the log
-    gpu_reserved_gb      CUDA: memory the caching allocator holds (a host-side counter)
-
-A window's record holds the latest sample, except the peaks (`host_rss_gb`), the largest of the window.
+Details: docs/internals.md#metricsmonitorpy
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Where metrics go: metrics.jsonl (always), TensorBoard and experiment trackers during the run, a loss-curve PNG
-at the end.
+"""Where metrics go: metrics.jsonl (always), TensorBoard and experiment trackers during the run, a loss-curve PNG at the
+end; written by rank 0 only, from background threads.
 
-Every destination is a `Sink`. Only rank 0 creates a `MetricsWriter`; other ranks never touch the run directory.
-Records are handed to background threads: serialising TensorBoard events costs rank 0 about half a millisecond
-per record, a tracker may wait on the network, and every other rank would wait for rank 0 at the next
-collective. The run's own files (metrics.jsonl, which trainmesh's tools read, and TensorBoard) have one thread;
-the trackers (trackers.py) another, so that a slow or unreachable tracker server never delays the files. A
-file that cannot be written loses records with one error; a tracker that cannot start or fails mid-run is
-dropped with one warning. Files are made through core/files.py: a symlink planted at `metrics.jsonl` or
-`loss.png` is refused or replaced, never written through.
+Details: docs/internals.md#metricssinkspy
 """
 
 from __future__ import annotations

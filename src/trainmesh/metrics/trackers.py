@@ -1,13 +1,7 @@
-"""Experiment trackers as metrics sinks: Weights & Biases and MLflow, on rank 0 (the `[log]` section).
+"""Experiment trackers as metrics sinks: Weights & Biases and MLflow, on rank 0 (the `[log]` section). A resumed run
+continues its tracker runs; a failing tracker is dropped, never the run.
 
-Each tracker run gets the resolved config as flat dotted keys (`optim.lr`: its config or parameters) and every
-metrics record as scalars `<kind>/<key>` at its optimizer step, like TensorBoard. A resumed run (one that
-continues from a checkpoint) continues the same tracker run: rank 0, the only process that writes run files,
-keeps the tracker runs' ids in `<run>/trackers.json`. A new run (from step 0) starts a new tracker run. The
-trackers are started and fed from a background thread (sinks.py): MLflow retries an unreachable server for
-minutes and wandb may wait for its service, and neither may hold up a step. A tracker that fails costs one
-warning and is dropped, never the run; a package that is missing is refused before launch (`check_installed`),
-since the user asked for that tracker and would otherwise learn of it only from a warning among the logs.
+Details: docs/internals.md#metricstrackerspy
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""A recipe is everything model-specific: the model, its data, its loss, and what to show at the end.
+"""A recipe is everything model-specific: the model, its data, its loss, and what to show at the end; it holds no state
+between calls.
 
-The loop and strategies stay generic; a recipe is the one place that knows what a batch looks like.
-A recipe holds no state between calls: each method takes what it needs (the config, the runtime, the
-datasets `prepare` returned, the model), so they may be called in any order and any number of times.
-Settings derived from other keys or from the data (GPT's vocabulary size, ResNet's classes) are filled in
-by `complete_model` when the job is resolved (trainmesh.job.resolve), before anything runs.
+Details: docs/internals.md#recipesbasepy
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""How busy this node was around each bench point, recorded with the point's figures, and when that makes them doubtful.
+"""How busy this node was around each bench point (load average, CPU time, time stolen by the hypervisor), recorded with
+the point's figures, and when that makes them doubtful.
 
-A point's step times are the ranks' only while the ranks have the cores to themselves. So around each point the
-bench samples the node's load average (`os.getloadavg`, 1 minute) and its CPU time counters (`psutil.cpu_times`:
-busy, and stolen by the hypervisor for other guests: `steal`, Linux's /proc/stat column) over `WINDOW_S` before the
-point and once after it. A point is doubtful, and the bench warns, when
-
-- before it, other programs kept more cores busy than the point leaves free (the node's cores less the point's
-  processes × threads per rank) by over `BUSY_MARGIN`: its ranks would share cores. This is measured on the CPU time
-  of the window just before the point, not on the load average, which after the previous point still holds that
-  point's ranks (it decays over minutes);
-- the 1-minute load average after it exceeds the cores (or the point's own threads, when oversubscribed) by over
-  `LOAD_MARGIN`: more tasks wanted a core than there were, while the point ran;
-- the hypervisor stole over `STEAL_LIMIT` of the CPU time during the point or in the window before it.
+Details: docs/internals.md#appsbenchloadpy
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""What a bench runs: the modes and process counts asked for, checked against the machine, and one `Point` per
-(mode, count) with the batch that mode gives it.
+"""What a bench runs: the modes and process counts asked for, checked against the machine before anything starts, and
+one `Point` per (mode, count) with the batch that mode gives it.
 
-Both modes start from the job at the smallest count (the base, normally 1 process), resolved from the config as
-`trainmesh run` would:
-
-    weak    the batch per data-parallel rank stays the base's (train.micro_batch × its accumulation steps), so the
-            global batch grows with the processes: global = base global / base ranks × ranks
-    strong  the global batch stays the base's and is split over the ranks: each rank gets global / ranks samples
-            per step (refused when that is not a whole number), cut into the largest micro-batches of at most
-            train.micro_batch that divide it, so accumulation shrinks first and the micro-batch after
-
-Every check here runs before the bench writes or starts anything.
+Details: docs/internals.md#appsbenchplanpy
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""A bench's figures: each point's medians from its metrics.jsonl, speedup and efficiency against the smallest
-count of the same mode, and the files: bench.json (everything), bench.md (the table), scaling.png (the plot).
+"""A bench's figures: each point's medians from its metrics.jsonl, speedup and efficiency against the smallest count of
+the same mode, written as bench.json, bench.md and scaling.png.
 
-    speedup     weak: throughput(n) / throughput(base), as each rank's work per step stays the same;
-                strong: step time(base) / step time(n), as the work per step is fixed
-                (the same ratio as throughput(n) / throughput(base), since every step processes the same batch)
-    ideal       n / base processes (1 for the base itself; base is 1 process unless --nprocs starts higher)
-    efficiency  speedup / ideal
-
-Throughput is the global batch (tokens for token recipes, else samples) divided by the median step time, so that
-the two definitions of speedup agree for strong scaling.
+Details: docs/internals.md#appsbenchreportpy
 """
 
 from __future__ import annotations

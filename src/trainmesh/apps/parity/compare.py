@@ -1,27 +1,7 @@
-"""Two recorded runs, compared step by step and parameter by parameter (`trainmesh check --parity`).
+"""Two recorded runs compared step by step and parameter by parameter (`trainmesh check --parity`): each quantity's
+difference against a tolerance set by how far rounding alone carries the training, and the first divergence.
 
-Each run's probe file (trainmesh.train.parity) holds, per step, the loss, the pre-clip gradient norm and a
-fingerprint (sum, L1, L2, weighted sum) of every parameter's gradient and weights. For each quantity:
-
-    difference  = how far A and B are apart, relative to the quantity's size (train.parity.relative_difference)
-    spread      = the same between B and B again, which adds rounding-sized noise to its gradients at every step
-                  (train.parity.nudge): how far rounding alone carries this training, plus whatever
-                  nondeterminism B has of its own
-    tolerance   = max(SPREAD_FACTOR × the widest spread of its kind (the loss, the gradient norm, gradients or
-                  weights: any parameter, any checksum) up to its step, floor); floor = a few units of rounding of
-                  the least precise dtype the runs compute or keep parameters in (FLOOR_UNITS)
-
-Rounding matters more than it seems. Two orders of summation (1 process or 2, ddp or fsdp) agree to ~1e-7 at the
-first step, but Adam turns a gradient element that is nearly zero because its terms cancel (GPT's attention key
-bias is all rounding) into an update of its own, and the nano GPT's runs part by ~1e-5 after 5 steps, ~1e-4 after
-20. A repeat that is merely run again is exact on a CPU, so B again is nudged instead (train.parity.nudge).
-SPREAD_FACTOR comes from the nano GPT on CPU over 20 steps, ddp against fsdp, tensor parallelism and the 1F1B and
-interleaved pipelines: the largest difference between A and B reached 2.0 times the spread (0.6 of the tolerance).
-
-A quantity differs when its difference exceeds its tolerance. The first divergence is the earliest step with
-one, and within it the first in the order the step computes them: the loss, the gradients, the gradient norm,
-the weights; parameters in the order the forward first used them (the reference's execution order). Copies of
-a parameter on several ranks (replicas, a weight tied across pipeline stages) must agree within the floor.
+Details: docs/internals.md#appsparitycomparepy
 """
 
 from __future__ import annotations
@@ -141,7 +121,7 @@ class Comparison:
     order: list[str]
     rows: list[StepRow] = field(default_factory=list)
     first: Check | None = None
-    """The first quantity over its tolerance (see the module docstring)."""
+    """The first quantity over its tolerance (docs/internals.md#appsparitycomparepy)."""
     first_param: Check | None = None
     """The first parameter over its tolerance at that step (None when only the loss or the norm differ)."""
     over_at_first: list[Check] = field(default_factory=list)

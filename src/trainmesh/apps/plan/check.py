@@ -1,8 +1,7 @@
-"""The memory line of `trainmesh check`: the plan's prediction for the job as configured, on this machine's devices.
+"""The memory line of `trainmesh check`: the plan's prediction for the job as configured, on this machine's devices; it
+reads no calibration file.
 
-The device memory is this machine's: the first GPU's, else the host memory shared by the node's processes. The
-fixed overhead per process is the GPU presets' 1 GiB (CUDA context, NCCL and cuBLAS workspaces); on a CPU it is not
-counted. `trainmesh plan --cluster this` uses a calibration's measured figures instead; `check` reads no file.
+Details: docs/internals.md#appsplancheckpy
 """
 
 from __future__ import annotations

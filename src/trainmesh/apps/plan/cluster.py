@@ -1,15 +1,7 @@
-"""The machines a plan is made for: built-in presets (A100, H100, H200 nodes) and this machine, calibrated.
+"""The machines a plan is made for: built-in presets (A100, H100, H200 nodes) and this machine, calibrated. A `Cluster`
+holds each device's memory, FLOP/s and bandwidth and each link's cost; calibrations are JSON files.
 
-A `Cluster` is what the time and memory model need to know about the hardware: per device its memory, its
-achievable FLOP/s for the run's precision and its memory bandwidth (the optimizer step is bandwidth-bound);
-per link (inside a node, between nodes, host↔device for CPU offload) the cost of each collective as
-latency + bytes / bandwidth; how much communication hides behind compute (`overlap`); and the memory every
-process spends before the model (CUDA context, NCCL and cuBLAS workspaces).
-
-Preset figures are vendors' dense peaks and typical NCCL bus bandwidths (sources in docs/plan.md); the
-achievable fraction of peak (`efficiency`) is an assumption until `trainmesh plan --calibrate` measures the
-machine at hand. A calibration is saved as JSON (`calibration_path`) and reused by `--cluster this`; that format
-also describes other clusters (`--cluster F.json`), and reading it checks every key's type and range.
+Details: docs/internals.md#appsplanclusterpy
 """
 
 from __future__ import annotations

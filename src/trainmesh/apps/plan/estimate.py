@@ -1,35 +1,7 @@
-"""One layout on one cluster: memory per rank by component, and the time of a step by phase.
+"""One layout on one cluster: memory per rank by component, for the most loaded pipeline stage, and the time of a step
+by phase (compute, exposed communication, optimizer, offload).
 
-Memory is predicted for every pipeline stage (stages hold different parts of the model and different numbers of
-micro-batches in flight) and the most loaded one is what must fit. Components:
-
-    params, grads, optimizer   this rank's (tensor-parallel, FSDP-sharded) part of each parameter (model.py);
-                               AdamW keeps two moments like the parameter and a 4-byte step per tensor. FSDP
-                               accumulating gradients (no_sync) keeps them unsharded until the last micro-step.
-                               CPU offload moves all three to host memory.
-    activations                what autograd saves for backward (activations.py's formula, held to the byte on
-                               the real model) × the micro-batch pieces a pipeline stage holds at once: GPipe all m,
-                               1F1B p − i on stage i, interleaved schedules per Narayanan et al. (1 + (p−1)/(p·v)).
-    gathered                   FSDP grad-op keeps every unit's gathered parameters from forward to backward.
-    temporaries                peaks inside the step: FSDP's gathered unit and its prefetched neighbour with the
-                               unit's unsharded gradients, the recomputed block of activation checkpointing, the
-                               gradient of the logits, pipeline send/receive buffers. DDP's buckets add
-                               nothing: they hold the gradients themselves (parallel.ddp.gradient_as_bucket_view,
-                               on by default).
-    overhead                   what every process holds before the model (the cluster's: CUDA context etc.).
-
-Step time, for the most loaded stage, per optimizer step:
-
-    compute      FLOPs (model.py; + one more forward of checkpointed blocks) / the cluster's achievable FLOP/s,
-                 stretched by the pipeline bubble: (m + p − 1) pieces' time for GPipe and 1F1B, (m + (p − 1)/v)
-                 for interleaved schedules with v stages per rank
-    exposed comm the collectives of the layout (DDP's gradient all-reduce; FSDP's all-gathers and reduce-scatter,
-                 and hybrid's all-reduce across replicas; tensor parallel's two all-reduces per block each way;
-                 pipeline sends), each costed on the link its group crosses (cluster.py), minus what hides behind
-                 compute (cluster.overlap × the compute it can overlap; tensor-parallel and pipeline traffic is on
-                 the critical path and never hidden)
-    optimizer    AdamW and gradient clipping stream 32 bytes per fp32 parameter through memory
-    offload      host↔device copies of the shards with CPU offload
+Details: docs/internals.md#appsplanestimatepy
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The layouts `trainmesh plan` compares: every way to lay a job over a cluster's ranks that trainmesh accepts.
+"""The layouts `trainmesh plan` compares: every way to lay a job over a cluster's ranks that trainmesh accepts, each
+checked by the same `resolve` that `trainmesh run` uses.
 
-A `Candidate` is a parallel layout (data parallelism: ddp, fsdp full shard, fsdp grad-op, hybrid fsdp, fsdp with
-CPU offload; × tensor parallel inside a node; × pipeline stages; ± activation checkpointing) with the micro-batch
-it would run. Each is checked by the same `resolve` that `trainmesh run` uses, so a layout in the table is one
-that launches, and `overrides()` is what to add to the command line to get it.
+Details: docs/internals.md#appsplanlayoutspy
 """
 
 from __future__ import annotations

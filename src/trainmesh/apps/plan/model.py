@@ -1,17 +1,7 @@
-"""The model as `trainmesh plan` sees it: every parameter's shape, where the layout puts it, and the FLOPs of a step.
+"""The model as `trainmesh plan` sees it: every parameter's shape (the real GPT, built on the meta device), where a
+layout puts it (pipeline stage, tensor-parallel and FSDP cuts), and the FLOPs of a step.
 
-The parameters are read from the real GPT built on the meta device (no storage, no time), so the counts are
-the model's own, biases and LayerNorms included. For each one the table notes
-
-- its pipeline stage: stage i of p holds the embeddings if i = 0, blocks [i·L/p, (i+1)·L/p) and the final
-  norm and head if i = p−1 (recipes/gpt/parallel.py); the tied embedding/head matrix is held by the first
-  and the last stage, as one tensor when they are the same rank and as two copies otherwise;
-- the dimension tensor parallelism cuts (the recipe's plan: column-parallel q/k/v and MLP input, weight and
-  bias by output rows; row-parallel projections, weight by input columns, bias whole; the vocabulary-
-  parallel embedding and head by vocabulary rows; LayerNorms and position embeddings whole).
-
-FSDP then cuts each (tensor-parallel local) tensor by its first dimension over the shard group, as
-`torch.chunk` does: the first ranks hold ⌈d/n⌉ rows, which is what the most loaded rank holds.
+Details: docs/internals.md#appsplanmodelpy
 """
 
 from __future__ import annotations

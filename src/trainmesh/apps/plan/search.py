@@ -1,10 +1,7 @@
-"""Every layout of a job on a cluster, estimated and sorted: what `trainmesh plan` prints.
+"""Every layout of a job on a cluster, estimated and sorted: what `trainmesh plan` prints. Each runs at the largest
+micro-batch that fits; a layout that fits none is kept, flagged.
 
-For each layout (layouts.py) the largest micro-batch that fits the device memory is taken (larger micro-batches
-need fewer accumulation steps and fewer pipeline bubbles); a layout with none that fits is kept, flagged, with
-its smallest micro-batch, so the table says how far it is from fitting. Layouts trainmesh refuses for this
-model (heads or vocabulary not divisible by the tensor-parallel degree, more stages than blocks, ...) are left
-out, checked by the same `resolve` that `trainmesh run` calls.
+Details: docs/internals.md#appsplansearchpy
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""`trainmesh k8s`: manifests that train a config on Kubernetes, as a Kubeflow PyTorchJob or a JobSet.
+"""`trainmesh k8s`: manifests that train a config on Kubernetes, as a Kubeflow PyTorchJob or a JobSet; every pod runs
+`trainmesh run` and reads the job's shape from the PET_* variables set for it.
 
-Every pod runs `trainmesh run <recipe>` and reads the job's shape from the variables the operator sets, the way
-torchrun reads them (a launch flag left out comes from PET_<FLAG>; trainmesh.cli):
-
-- PyTorchJob (kubeflow.org/v1, Kubeflow's training operator), Worker replicas with an elasticPolicy: the
-  operator sets PET_RDZV_ENDPOINT (`<name>-worker-0:<port>`, the port named pytorchjob-port of the container
-  named pytorch), PET_RDZV_BACKEND (c10d), PET_NNODES (`MIN:MAX`) and PET_MAX_RESTARTS
-  (pkg/controller.v1/pytorch/elastic.go). It sets RANK and WORLD_SIZE only for jobs with a Master replica, and
-  then RANK is the pod's index, not a process's (envvar.go): trainmesh run never reads them, and the per-rank
-  worker refuses them where a pod runs several processes (trainmesh.core.env).
-- JobSet (jobset.x-k8s.io/v1alpha2): one Indexed Job of N pods behind a headless service; the manifest sets
-  what Kubeflow Trainer sets for torchrun: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the pod's completion
-  index) and PET_MASTER_ADDR, the first pod's name `<jobset>-<job>-0-0.<subdomain>`, with PET_MASTER_PORT.
-
-Each pod asks for its GPUs, CPUs and memory, with limits equal to the requests (QoS class Guaranteed). The config
-travels in a ConfigMap, as checked here, as a YAML literal block a reviewer reads; `--auto-resume` with the job's
-name as run id continues a restarted job from its newest checkpoint, which needs run.out_dir on storage every pod
-shares (--pvc).
+Details: docs/internals.md#appsschedulerskubernetespy
 """
 
 from __future__ import annotations

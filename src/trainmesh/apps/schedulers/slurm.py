@@ -1,27 +1,7 @@
-"""`trainmesh slurm`: an sbatch script that trains a config and requeues itself when stopped at its time limit.
+"""`trainmesh slurm`: an sbatch script that trains a config and requeues itself when stopped at its time limit (SIGTERM
+to the tasks, exit 75, `scontrol requeue`).
 
-How a stop at the time limit becomes a requeue:
-
-1. `#SBATCH --signal=TERM@S`, without `B:`: S seconds (give or take SLURM's 60 s resolution) before the time
-   limit, SLURM sends SIGTERM to every task of the job steps, that is to what `srun` started, and not to the
-   batch shell. With `B:` only the batch shell would get it, and would have to forward it through srun.
-2. The tasks stop together at a step boundary with a checkpoint and exit 75 (trainmesh's preemption code);
-   `srun` exits with the highest exit code of its tasks: 75.
-3. The batch shell then runs `scontrol requeue $SLURM_JOB_ID`. With `#SBATCH --requeue` the job goes back to
-   the queue under the same job id, so the same run id (derived from it) and `--auto-resume` continue from the
-   checkpoint. Exit 0 (done) or anything else (a failure) is not requeued.
-
-SLURM's own preemption and `scancel` signal the batch shell as well (the time-limit signal does not): the shell
-traps SIGTERM to keep waiting for the tasks to save, and does not requeue then, since `scancel` means stop and
-SLURM requeues preempted `--requeue` jobs itself (PreemptMode=REQUEUE).
-
-Two ways to start the ranks: one task per node running `trainmesh run` (torchrun's agent starts one process per
-GPU, restarts them with --max-restarts, and the static rendezvous meets at the first node), or, with
-`--one-task-per-gpu`, one task per GPU running the per-rank worker, which reads SLURM_PROCID/SLURM_NTASKS/
-SLURM_LOCALID (trainmesh.core.env).
-
-CPUs: `#SBATCH --cpus-per-task` asks for a core for every rank of the task and each of its DataLoader workers, and
-srun asks for it again, since SLURM 22.05's srun no longer inherits it from the batch job.
+Details: docs/internals.md#appsschedulersslurmpy
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""hvd.init() and who-am-I (rank, size, local and cross ranks), on torch.distributed's default process group.
+"""hvd.init() and who-am-I (rank, size, local and cross ranks) on torch.distributed's default process group: adopted
+when one exists, else joined as trainmesh's workers join it.
 
-`init()` adopts a default process group that already exists (a script that set one up, or trainmesh's own
-Runtime); otherwise it joins one exactly as trainmesh's workers do (core.dist.init_process_group): from
-torchrun's variables (what `trainmesh run` sets), SLURM's, or, on one plain process, a private group of
-world size 1 on a free loopback port. On a CUDA machine the group is `cpu:gloo,cuda:nccl`: CUDA tensors go
-through NCCL and CPU tensors (a metric Horovod scripts average with `torch.tensor(x)`) through gloo, as both
-work under Horovod.
+Details: docs/internals.md#compathorovodbasicspy
 """
 
 from __future__ import annotations

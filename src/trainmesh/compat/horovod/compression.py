@@ -1,9 +1,6 @@
-"""hvd.Compression: what gradients (and hvd.allreduce's tensors) travel as.
-
-Horovod's semantics: `compress` before the all-reduce, `decompress` after it. fp16 casts floating-point
-tensors to float16 for the reduction (half the bytes on the wire; the sum is computed in float16, so its
-rounding is float16's) and back to their own dtype after; other tensors travel unchanged.
-"""
+"""hvd.Compression: what gradients (and hvd.allreduce's tensors) travel as; `compress` before the all-reduce,
+`decompress` after, as Horovod's. fp16 reduces floating-point tensors in float16 (its rounding) and casts them back;
+other tensors travel unchanged."""
 
 from __future__ import annotations
 

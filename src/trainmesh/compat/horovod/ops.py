@@ -1,12 +1,7 @@
-"""Horovod's collectives (hvd.allreduce, allgather, broadcast and their async and in-place forms) on
-torch.distributed.
+"""Horovod's collectives (hvd.allreduce, allgather, broadcast and their async and in-place forms) on torch.distributed;
+ranks are matched by call order, not by `name`.
 
-An `*_async` call starts the collective (torch.distributed's `async_op=True`) and returns a `Handle`;
-`poll(handle)` says whether it is done, `synchronize(handle)` waits and returns the result, as Horovod's.
-Every call begins with a round header (rounds.py) so that ranks inside hvd.join() can answer it. `name` is
-accepted as Horovod's and only appears in error messages: ranks are matched by call order (the same in
-every rank of the same script), not by name. The plain forms (allreduce, allgather, broadcast) are autograd
-functions, as Horovod's: their gradients are the matching collectives.
+Details: docs/internals.md#compathorovodopspy
 """
 
 from __future__ import annotations

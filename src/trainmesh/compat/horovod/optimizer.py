@@ -1,25 +1,7 @@
-"""hvd.DistributedOptimizer: an optimizer that all-reduces the gradients during backward, as Horovod's.
+"""hvd.DistributedOptimizer: an optimizer that all-reduces the gradients during backward, as Horovod's: one asynchronous
+all-reduce per parameter, started in the same fixed order on every rank.
 
-Like Horovod, DistributedOptimizer(opt) returns a new optimizer of a class made for it: a subclass of opt's
-own class (so `isinstance(new, type(opt))` and `isinstance(new, torch.optim.Optimizer)` hold), built over
-opt's param_groups (the same group dicts: its learning rates and options, and what a scheduler changes in
-them). Also like Horovod, the state held by `opt` itself is not carried over; the new optimizer starts
-without state (call broadcast_optimizer_state and load checkpoints on the wrapper).
-
-How gradients travel (with more than one rank): every parameter that requires a gradient gets a
-post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook). When a parameter's gradient is
-complete (after backward_passes_per_step backward passes; the passes before accumulate locally in .grad),
-its all-reduce starts asynchronously (torch.distributed, async_op=True) while backward goes on. There is no
-tensor fusion: one all-reduce per parameter. All-reduces start in one fixed order (the parameters' reverse
-order in param_groups, the order backward usually completes them), each as soon as it and every parameter
-before it in that order are complete, so every rank issues the same collectives in the same order even when
-backward completes gradients in a different order on different ranks (torch.distributed, unlike Horovod's
-coordinator, matches collectives by order). `synchronize()` starts what has not started (a parameter
-without a gradient on this rank takes part with zeros, and gets the others' result), waits for all and
-writes the averaged gradients into .grad; `step()` synchronizes, then steps. On one rank nothing is reduced,
-as under Horovod. Where a parameter has a gradient on some ranks only, its all-reduce and the later ones start
-during backward there and in synchronize() elsewhere: another collective issued between backward and step()
-would then meet different ones on different ranks, so such a script issues its other collectives after step().
+Details: docs/internals.md#compathorovodoptimizerpy
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Rounds: how ranks inside hvd.join() keep answering the others' all-reduces, as under Horovod.
+"""Rounds: how ranks inside hvd.join() keep answering the others' collectives, as under Horovod: every collective begins
+with a small header all-reduce that tells a joined rank what to match.
 
-Horovod's coordinator negotiates every collective by name, so a rank that ran out of data and called
-`hvd.join()` can be told "the others are all-reducing tensor X" and contribute zeros. torch.distributed has
-no negotiation: every rank must issue the same collectives in the same order. So every collective of
-trainmesh.compat.horovod begins a *round* with a header all-reduce (SUM of HEADER_LEN int64) in which an active
-rank contributes [1, kind, fields...] and a joined rank zeros. The sum tells a joined rank how many ranks
-are active and, divided by that count, what they are about to do (every active rank sends the same
-header), so it can issue the matching collective:
-
-- ALLREDUCE (op, dtype, numel, device): it all-reduces the identity of the op (zeros for Average and Sum,
-  so Average still divides by hvd.size(), as Horovod does; +inf/-inf for Min/Max; ones for Product);
-- OPTIMIZER (registry index): a DistributedOptimizer's gradient round, shadowed by that optimizer (zeros
-  for every gradient, in its fixed order);
-- OTHER (allgather, broadcast, barrier, objects): nothing; the active ranks raise instead, as Horovod's
-  allgather and broadcast do while a rank has joined.
-
-A header of zeros means every rank has joined: join() returns on all of them. The header costs one small
-all-reduce per collective call (one per optimizer step, not one per gradient). Active ranks read its sum
-only in OTHER rounds, which wait for it before they start; the others issue their collective right behind it.
+Details: docs/internals.md#compathorovodroundspy
 """
 
 from __future__ import annotations

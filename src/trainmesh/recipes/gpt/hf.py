@@ -1,24 +1,7 @@
-"""The GPT recipe's model in Hugging Face's GPT-2 layout, and back: names, tensor layouts and config.json.
+"""The GPT recipe's model in Hugging Face's GPT-2 layout, and back: names, tensor layouts and config.json, as pure
+functions whose values round-trip exactly.
 
-Pure functions on tensors and dicts (no files): `to_hf_state`, `from_hf_tensor`, `hf_config` and the checks of
-a GPT-2 config.json that trainmesh can express (`hf_problems`). Name mapping, per block i:
-
-    trainmesh                    GPT-2 (transformers.GPT2LMHeadModel)   layout
-    wte.weight                   transformer.wte.weight                 same (V, C)
-    wpe.weight                   transformer.wpe.weight                 same (T, C)
-    blocks.{i}.ln_1.*            transformer.h.{i}.ln_1.*               same
-    blocks.{i}.attn.qkv.weight   transformer.h.{i}.attn.c_attn.weight   (3C, C) head by head -> (C, 3C) q | k | v
-    blocks.{i}.attn.proj.weight  transformer.h.{i}.attn.c_proj.weight   transposed
-    blocks.{i}.ln_2.*            transformer.h.{i}.ln_2.*               same
-    blocks.{i}.mlp.fc.weight     transformer.h.{i}.mlp.c_fc.weight      transposed
-    blocks.{i}.mlp.proj.weight   transformer.h.{i}.mlp.c_proj.weight    transposed
-    ln_f.*                       transformer.ln_f.*                     same
-    lm_head.weight               (not stored: tied to transformer.wte.weight, as transformers saves it)
-
-GPT-2's linear layers are `Conv1D`s, whose weight is (in, out): the transpose of nn.Linear's (out, in).
-trainmesh's fused attention projection lays its 3C outputs out head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-(model.py says why), GPT-2's c_attn as [q | k | v]; biases are reordered the same way. Every conversion is
-a transpose or a permutation, so values round-trip exactly.
+Details: docs/internals.md#recipesgpthfpy
 """
 
 from __future__ import annotations

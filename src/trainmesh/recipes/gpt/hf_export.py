@@ -1,13 +1,7 @@
-"""`trainmesh ckpt export --format hf`: a GPT checkpoint as a folder that transformers loads as GPT-2.
+"""`trainmesh ckpt export --format hf`: what goes into a folder that transformers loads as GPT-2 (weights, config.json,
+and GPT-2's tokenizer files when the run used it); checkpoint/export.py writes it.
 
-    trainmesh ckpt export --format hf runs/<name>           # -> runs/<name>/export/hf_step_XXXXXXXX/
-    GPT2LMHeadModel.from_pretrained("runs/<name>/export/hf_step_XXXXXXXX")   # the same logits
-
-The folder holds `model.safetensors` (GPT-2's names and layouts, recipes/gpt/hf.py), `config.json`, and for a
-run trained on GPT-2's tokenizer (`data.tokenizer = "gpt2"`) the tokenizer: `vocab.json` and `merges.txt`,
-which are OpenAI's `encoder.json` and `vocab.bpe` unchanged, and `tokenizer_config.json`, so that
-`AutoTokenizer.from_pretrained(folder)` works too. checkpoint/export.py verifies the checkpoint, reads it
-and writes the folder atomically; this module only says what goes in it.
+Details: docs/internals.md#recipesgpthf_exportpy
 """
 
 from __future__ import annotations

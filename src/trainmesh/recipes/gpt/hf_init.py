@@ -1,22 +1,7 @@
-"""`model.init_from`: start a GPT from a local folder of Hugging Face GPT-2 weights.
+"""`model.init_from`: start a GPT from a local folder of Hugging Face GPT-2 weights (config.json and model.safetensors
+only), checked when the job is resolved and read tensor by tensor at initialisation.
 
-    trainmesh run gpt --model.init_from=~/models/gpt2 --model.block_size=1024 --data.tokenizer=gpt2 ...
-
-Only a local folder is read, never the hub, and of it only `config.json` and `model.safetensors`: a pickled
-`pytorch_model.bin` can run code when loaded, so it is refused with the command that converts it. When the
-job is resolved (`complete_folder`, from the recipe's `complete_model`), config.json's shape fills in the
-model keys left unset (n_layer, n_head, n_embd, vocab_size: 0) and is checked against those that are set,
-and the file's tensor names, shapes and dtypes are checked, so `trainmesh check` refuses a folder that does not
-fit before anything starts. The parameter count config.json implies is checked first, from its numbers alone:
-each dimension at most 2**31, the file large enough to hold it (2 bytes a parameter at least), and its fp32
-weights (with `parallel.meta_init`: its largest tensor) must fit this machine's memory, so absurd dimensions are
-refused in seconds, not after gigabytes of per-layer tables.
-`block_size` may be shorter than GPT-2's n_positions (the position embeddings are cut); a `vocab_size` larger
-than the file's pads the token embedding with rows equal to the mean of its rows (the tied head then gives each
-padded token the mean logit: small, and never a token of the data).
-
-The tensors are read when the model is initialised (`HFWeights`, one at a time, by `init_gpt_weights`), so
-every layout gets them the same way as random weights: whole models, shards and pipeline stages.
+Details: docs/internals.md#recipesgpthf_initpy
 """
 
 from __future__ import annotations

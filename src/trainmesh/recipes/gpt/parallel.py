@@ -1,20 +1,7 @@
-"""How the GPT is cut for model parallelism, from outside the model code: a tensor-parallel plan and
-a pipeline split. The strategies apply them (strategies/plan.py); parameter names never change.
+"""How the GPT is cut for model parallelism, from outside the model code: a Megatron-style tensor-parallel plan and a
+pipeline split, applied by the strategies; parameter names never change.
 
-Tensor parallel (Megatron-style, on a 1-D `tp` mesh of t ranks), per block:
-
-    attn.qkv                 column-parallel: each rank computes n_head / t whole heads (the
-                             projection's outputs are laid out head by head, see model.py)
-    attn.proj                row-parallel: partial outputs summed (one all-reduce)
-    mlp.fc                   column-parallel: 4C / t hidden units per rank
-    mlp.proj                 row-parallel: one all-reduce
-
-plus the vocabulary-parallel embedding and head (the tied weight sharded by rows on both), whose
-logits are gathered whole so the loss is the same on every rank. LayerNorms and position embeddings
-stay replicated. Forward and backward cost two all-reduces per block.
-
-Pipeline: stage i of n holds the token and position embeddings if i = 0, blocks
-[i·L/n, (i+1)·L/n), and the final norm and head if i = n-1.
+Details: docs/internals.md#recipesgptparallelpy
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Checkpoints of the GPT from before its q, k and v projections were fused, converted to the fused layout.
+"""Checkpoints of the GPT from before its q, k and v projections were fused into `attn.qkv`, converted to the fused,
+head-by-head layout; the model computes the same function.
 
-Until then each attention block had three projections, `attn.q`, `attn.k` and `attn.v`, each (C, C). Now it
-has one, `attn.qkv` (3C, C), whose output rows are laid out head by head: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-(model.py says why). Converting interleaves the three matrices (and biases, and the optimizer's moments of
-each) head by head; the model computes the same function.
+Details: docs/internals.md#recipesgptupgradepy
 """
 
 from __future__ import annotations

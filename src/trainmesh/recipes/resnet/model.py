@@ -1,13 +1,7 @@
-"""ResNet-18/34/50/101/152 (He et al., 2015), written here so the recipe needs no torchvision.
+"""ResNet-18/34/50/101/152 (He et al., 2015) in torchvision's layout, written here so the recipe needs no torchvision,
+with a `small` stem and a `width` for small images and CPUs.
 
-The layout is torchvision's ("ResNet v1.5": a Bottleneck's stride sits on its 3×3 convolution), so
-parameter counts match its published ones (ResNet-18: 11,689,512; ResNet-50: 25,557,032 at 1,000
-classes) and the tests can prove the architecture by counting. Two options for small images: a `small`
-stem (one 3×3 stride-1 convolution, no max-pool, as for CIFAR) keeps a 32-pixel input from shrinking to
-1 pixel before the last stage, and `width` scales every stage's channels for models that train on a CPU.
-
-The model always holds plain `nn.BatchNorm2d`; synced statistics are applied from outside
-(`trainmesh.layers.convert_sync_batchnorm`), so the model code knows nothing of parallelism.
+Details: docs/internals.md#recipesresnetmodelpy
 """
 
 from __future__ import annotations

@@ -1,0 +1,138 @@
+"""The command reference (docs/cli.md), generated from the parser so it cannot drift from the code.
+
+Every verb of `trainmesh` with its usage and its flags, grouped as `--help` groups them; `trainmesh horovodrun`
+parses its own flags, so its section is its usage text. No torch import: the parser has none.
+
+    python -m trainmesh.cli.command_reference > docs/cli.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainmesh.cli.flags import build_parser
+from trainmesh.compat.horovodrun import USAGE as HOROVODRUN_USAGE
+
+WIDTH = 100
+"""Usage lines wrap here, never at the terminal's width: the file is the same on every machine."""
+
+
+class _FixedWidth(argparse.HelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=WIDTH)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """(name, one-line help, parser) of each subcommand of `parser`, in the parser's order."""
+    # argparse has no public way to list subcommands: its _SubParsersAction holds them.
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            found += [(name, helps.get(name, ""), sub) for name, sub in action.choices.items()]
+    return found
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    parser.formatter_class = _FixedWidth
+    return parser.format_usage().rstrip()
+
+
+def _invocation(action: argparse.Action) -> str:
+    """How a flag or positional is typed: `-o, --output OUTPUT`, `INPUT [INPUT ...]`, `--force`."""
+    if action.choices is not None:
+        value = "{" + ",".join(str(choice) for choice in action.choices) + "}"
+    elif action.metavar is not None:
+        value = str(action.metavar)
+    else:
+        value = action.dest.upper() if action.option_strings else action.dest
+    if action.nargs == 0:  # store_true and the like take no value
+        shown = ""
+    elif action.nargs == "+":
+        shown = f"{value} [{value} ...]"
+    elif action.nargs == "?":
+        shown = f"[{value}]"
+    else:
+        shown = value
+    return " ".join(part for part in (", ".join(action.option_strings), shown) if part)
+
+
+def _text(text: str) -> str:
+    """Help text as Markdown: a bare | would end a table cell, and <run> would be read as an HTML tag."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "\\<")
+
+
+def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
+    """(title, table rows) of each of `parser`'s argument groups that has a documented flag (not -h/--help)."""
+    groups = []
+    # argparse has no public way to list its groups either: _action_groups is what --help walks.
+    for group in parser._action_groups:
+        rows = [
+            f"| `{_invocation(action)}` | {_text(action.help or '')} |"
+            for action in group._group_actions
+            if action.help != argparse.SUPPRESS
+            and not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        ]
+        if rows:
+            groups.append((group.title or "", rows))
+    return groups
+
+
+def _sentence(summary: str) -> str:
+    """A subcommand's one-line help (`train a recipe ...`) as a sentence."""
+    return summary[:1].upper() + summary[1:] + "."
+
+
+def _section(parser: argparse.ArgumentParser, intro: str, seen: dict[tuple[str, ...], str]) -> list[str]:
+    """One command's section. A long group whose flags an earlier section listed already links there (`seen`:
+    the group's rows -> that section's command)."""
+    lines = [f"## {parser.prog}", "", _text(intro), "", "```text", _usage(parser), "```"]
+    for title, rows in _groups(parser):
+        name, paren, rest = title.partition(" (")
+        lines += ["", f"**{name}**{paren}{_text(rest)}:", ""]
+        earlier = seen.setdefault((title, *rows), parser.prog)
+        if earlier != parser.prog and len(rows) > 2:  # a short group reads better repeated than linked
+            lines.append(f"The same flags as [`{earlier}`](#{earlier.replace(' ', '-')})'s.")
+            continue
+        lines += ["| argument | meaning |", "|---|---|", *rows]
+    return lines
+
+
+def _horovodrun_section(summary: str) -> list[str]:
+    """`trainmesh horovodrun` parses horovodrun's flags itself (compat/horovodrun.py): its usage is its reference."""
+    return ["## trainmesh horovodrun", "", _sentence(summary), "", "```text", HOROVODRUN_USAGE, "```"]
+
+
+def render() -> str:
+    parser = build_parser()
+    commands: list[tuple[str, str, argparse.ArgumentParser]] = []
+    for name, summary, sub in _subcommands(parser):  # `data prepare`: the subcommands' own subcommands
+        nested = _subcommands(sub)
+        commands += [(f"{name} {n}", s, p) for n, s, p in nested] if nested else [(name, summary, sub)]
+    lines = [
+        "# Command reference",
+        "",
+        "Generated by `python -m trainmesh.cli.command_reference` from the parser (`src/trainmesh/cli/flags.py`)",
+        "and `trainmesh horovodrun`'s usage (`src/trainmesh/compat/horovodrun.py`); `trainmesh <command> --help`",
+        "prints the same flags. Every command takes `-h, --help`. The config keys that follow a recipe",
+        "(`--section.key=value`) are in [config.md](config.md); what the commands are for, with examples, in",
+        "[running.md](running.md).",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
+    lines += [f"| [`trainmesh {name}`](#trainmesh-{name.replace(' ', '-')}) | {_text(s)} |" for name, s, _ in commands]
+    seen: dict[tuple[str, ...], str] = {}
+    top = "The command itself, whose subcommands follow."  # not its description: flags.py's docstring
+    lines += ["", *_section(parser, top, seen)]
+    for name, summary, sub in commands:
+        if name == "horovodrun":
+            lines += ["", *_horovodrun_section(summary)]
+        else:
+            lines += ["", *_section(sub, sub.description or _sentence(summary), seen)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

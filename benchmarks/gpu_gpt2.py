@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from plain_gpt import PlainConfig, PlainGPT
 from trainmesh.config import Config
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.data.sharding import GlobalBatchSampler
 from trainmesh.job.resolve import load_config, resolve
 from trainmesh.metrics.mfu import FORMULA, Peak, device_peak, mfu
@@ -58,7 +58,7 @@ VOCAB = 50304
 
 
 def plain_round(
-    config: Config, data: Dataset[Any], plan: BatchPlan, device: torch.device, steps: int, warmup: int, every: int
+    config: Config, data: Dataset[Any], plan: BatchSplit, device: torch.device, steps: int, warmup: int, every: int
 ) -> dict[str, Any]:
     """build-nanogpt's loop: forward with the loss, backward, clip, AdamW; every `every` steps loss.item() and a
     synchronise (build-nanogpt: every step), timed as the window's mean step."""

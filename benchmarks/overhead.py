@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from launcher import launch, timed_run_overrides, typed_command
 from trainmesh.config import Config
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.data.corpus import default_cache_dir
 from trainmesh.job.resolve import load_config, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
@@ -89,7 +89,7 @@ def batches(loader: DataLoader[Any], sampler: DistributedSampler[Any]) -> Iterat
         epoch += 1
 
 
-def plain_round(config: Config, data: Dataset[Any], plan: BatchPlan, steps: int) -> dict[str, Any]:
+def plain_round(config: Config, data: Dataset[Any], plan: BatchSplit, steps: int) -> dict[str, Any]:
     """build-nanogpt style: DDP, mean cross-entropy / accum, no_sync, clip, AdamW, all-reduce the loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.run.seed)
@@ -144,7 +144,7 @@ def stats(ms: list[float]) -> dict[str, float]:
     return {"median_ms": p50, "p10_ms": p10, "p25_ms": p25, "p75_ms": p75, "p90_ms": p90, "n": len(ms)}
 
 
-def report(args: argparse.Namespace, plan: BatchPlan, tm: list[dict[str, Any]], pl: list[dict[str, Any]]) -> None:
+def report(args: argparse.Namespace, plan: BatchSplit, tm: list[dict[str, Any]], pl: list[dict[str, Any]]) -> None:
     sides = {
         "trainmesh": stats([t for r in tm for t in r["ms"]]),
         "plain": stats([t for r in pl for t in r["ms"]]),

@@ -3,27 +3,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh.core.batch import BatchMathError, BatchPlan, loss_scale
+from trainmesh.core.batch import BatchMathError, BatchSplit, loss_scale
 
 
 def test_accumulation_is_derived() -> None:
-    plan = BatchPlan.derive(micro_batch=4, global_batch=32, dp_size=2)
+    plan = BatchSplit.derive(micro_batch=4, global_batch=32, dp_size=2)
     assert plan.accum_steps == 4
     assert "32 samples = micro-batch 4 × 4 accumulation step(s) × 2 data-parallel rank(s)" in plan.describe()
 
 
 def test_default_global_batch_is_one_micro_step() -> None:
-    assert BatchPlan.derive(micro_batch=4, dp_size=3).global_batch == 12
+    assert BatchSplit.derive(micro_batch=4, dp_size=3).global_batch == 12
 
 
 def test_gpt2_half_million_tokens() -> None:
-    plan = BatchPlan.derive(micro_batch=16, global_batch_tokens=524288, dp_size=8, tokens_per_sample=1024)
+    plan = BatchSplit.derive(micro_batch=16, global_batch_tokens=524288, dp_size=8, tokens_per_sample=1024)
     assert (plan.global_batch, plan.accum_steps, plan.tokens_per_step) == (512, 4, 524288)
 
 
 def test_indivisible_global_batch_shows_the_arithmetic() -> None:
     with pytest.raises(BatchMathError) as err:
-        BatchPlan.derive(micro_batch=16, global_batch_tokens=524288, dp_size=3, tokens_per_sample=1024)
+        BatchSplit.derive(micro_batch=16, global_batch_tokens=524288, dp_size=3, tokens_per_sample=1024)
     message = str(err.value)
     assert "train.global_batch_tokens=524288 (= 512 sequences × 1024 tokens)" in message
     assert "train.micro_batch=16 × 3 data-parallel rank(s) = 48" in message
@@ -35,17 +35,17 @@ def test_indivisible_sample_batch_suggests_samples() -> None:
     with pytest.raises(
         BatchMathError, match=r"10 / 4 = 2.50.*multiple of 4 samples \(e.g. --train.global_batch=8 or 12\)"
     ):
-        BatchPlan.derive(micro_batch=2, global_batch=10, dp_size=2)
+        BatchSplit.derive(micro_batch=2, global_batch=10, dp_size=2)
 
 
 def test_tokens_that_are_not_whole_sequences() -> None:
     with pytest.raises(BatchMathError, match=r"1000 / 128 = 7.81.*--train.global_batch_tokens=896 or 1024"):
-        BatchPlan.derive(micro_batch=8, global_batch_tokens=1000, dp_size=1, tokens_per_sample=128)
+        BatchSplit.derive(micro_batch=8, global_batch_tokens=1000, dp_size=1, tokens_per_sample=128)
 
 
 def test_tokens_for_a_non_token_recipe() -> None:
     with pytest.raises(BatchMathError, match="use train.global_batch"):
-        BatchPlan.derive(micro_batch=8, global_batch_tokens=1000, dp_size=1, tokens_per_sample=0)
+        BatchSplit.derive(micro_batch=8, global_batch_tokens=1000, dp_size=1, tokens_per_sample=0)
 
 
 def test_loss_scale_gives_the_global_mean_gradient() -> None:
@@ -73,7 +73,7 @@ def test_an_elastic_range_gets_a_fix_that_divides_at_every_size() -> None:
     sizes = (8, 16, 24)
     with pytest.raises(BatchMathError) as info:
         for dp in sizes:
-            BatchPlan.derive(
+            BatchSplit.derive(
                 micro_batch=16, global_batch_tokens=524288, dp_size=dp, tokens_per_sample=1024, other_dp_sizes=sizes
             )
     message = str(info.value)
@@ -81,7 +81,7 @@ def test_an_elastic_range_gets_a_fix_that_divides_at_every_size() -> None:
     for suggested in (786432, 1572864):
         assert f"{suggested}" in message
         assert all(
-            BatchPlan.derive(
+            BatchSplit.derive(
                 micro_batch=16, global_batch_tokens=suggested, dp_size=dp, tokens_per_sample=1024, other_dp_sizes=sizes
             ).accum_steps
             >= 1

@@ -11,7 +11,7 @@ import pytest
 
 from support import nano_toml, refused_before_writing
 from trainmesh.apps.bench.load import BUSY_MARGIN, LOAD_RULES, CpuSample, read_cpu, watch_point
-from trainmesh.apps.bench.plan import Machine, choose_counts, plan_points, timing_overrides
+from trainmesh.apps.bench.points import Machine, bench_points, choose_counts, timing_overrides
 from trainmesh.apps.bench.report import Measured, Row, add_scaling, markdown_table, measure, write_json, write_markdown
 from trainmesh.cli import main
 from trainmesh.cli.bench import point_options
@@ -93,7 +93,7 @@ def test_weak_keeps_the_batch_per_rank_and_strong_the_global_batch(tmp_path: Pat
     8 samples per rank, in the largest micro-batches of at most 6 that divide them."""
     config = str(nano_toml(tmp_path))
     overrides = ["--train.micro_batch=6", "--train.global_batch=24"]
-    points = plan_points(config, overrides, "gpt", ("weak", "strong"), [1, 2, 3], 1, timing_overrides(7, 3))
+    points = bench_points(config, overrides, "gpt", ("weak", "strong"), [1, 2, 3], 1, timing_overrides(7, 3))
     plans = [
         (p.mode, p.world_size, p.job.batch.global_batch, p.job.batch.micro_batch, p.job.batch.accum_steps)
         for p in points
@@ -122,7 +122,7 @@ def test_default_counts_are_powers_of_two_up_to_the_machine() -> None:
 
 def test_on_several_nodes_each_point_has_a_rendezvous_of_its_own(tmp_path: Path) -> None:
     """Every node counts the points alike, so they agree on it; a node that runs ahead meets no earlier point."""
-    (point,) = plan_points(str(nano_toml(tmp_path)), [], "gpt", ("weak",), [2], 2, [])
+    (point,) = bench_points(str(nano_toml(tmp_path)), [], "gpt", ("weak",), [2], 2, [])
     c10d = LaunchOptions(nproc_per_node="auto", nnodes="2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job")
     static = LaunchOptions(nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=29500)
     assert point_options(c10d, point, 3) == LaunchOptions(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.data.sharding import (
     DataPosition,
     DatasetTooSmallError,
@@ -13,11 +13,11 @@ from trainmesh.data.sharding import (
 )
 
 
-def _plan(micro: int, dp: int, global_batch: int) -> BatchPlan:
-    return BatchPlan(global_batch, micro, dp, global_batch // (micro * dp))
+def _plan(micro: int, dp: int, global_batch: int) -> BatchSplit:
+    return BatchSplit(global_batch, micro, dp, global_batch // (micro * dp))
 
 
-def _rank_ids(num: int, plan: BatchPlan, rank: int, step: int, seed: int = 0) -> list[int]:
+def _rank_ids(num: int, plan: BatchSplit, rank: int, step: int, seed: int = 0) -> list[int]:
     sampler = GlobalBatchSampler(num, plan, rank, seed)
     return [i for mb in sampler.micro_batches(step) for i in mb]
 
@@ -81,7 +81,7 @@ def test_a_changed_global_batch_continues_at_the_samples_seen(before: int, after
         for step in range(steps):
             ids = sampler.global_batch_ids(step).tolist()
             at = sampler.position_after(step)
-            epoch = at.epoch + (at.offset + sampler.plan.global_batch > num)  # a ragged end starts the next
+            epoch = at.epoch + (at.offset + sampler.split.global_batch > num)  # a ragged end starts the next
             by_epoch.setdefault(epoch, []).extend(ids)
     assert len(by_epoch) >= 3
     for epoch, ids in sorted(by_epoch.items()):

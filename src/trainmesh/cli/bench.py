@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.apps.bench.load import PointLoad, watch_point
-from trainmesh.apps.bench.plan import (
+from trainmesh.apps.bench.points import (
     BenchError,
     Machine,
     Point,
+    bench_points,
     check_steps,
     choose_counts,
     parse_counts,
     parse_modes,
-    plan_points,
     rank_threads,
     timing_overrides,
 )
@@ -75,7 +75,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
     machine = Machine.of(config)
     counts = choose_counts(counts, opts.nproc_per_node, machine, args.oversubscribe)
     extra = timing_overrides(args.steps, args.warmup)
-    points = plan_points(args.config, overrides, args.target, modes, counts, low, extra)
+    points = bench_points(args.config, overrides, args.target, modes, counts, low, extra)
     # Everything is checked: from here on the bench writes.
     folder = _claim_folder(config, opts)
     bench_dir = folder.path

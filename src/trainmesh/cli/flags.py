@@ -34,7 +34,7 @@ def _add_recipe_flags(parser: argparse.ArgumentParser, defaults: bool = True, re
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """`trainmesh bench`'s own flags; their values are checked by trainmesh.apps.bench.plan, with messages that say how
+    """`trainmesh bench`'s own flags; checked by trainmesh.apps.bench.points, with messages that say how
     to fix them (argparse's choices= and type= would not)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
     g = parser.add_argument_group("bench")
@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     check = sub.add_parser(
         "check",
-        help="resolve a config for the launch's world size(s): layout and batch plan; --parity: compare two trainings",
+        help="resolve a config for the launch's world size(s): layout and batch split; --parity: compare two trainings",
         description="Resolve a recipe's config at every world size the launch flags imply and print the layout and "
-        "batch plan. With --parity, train it twice for a few steps (the launch's processes vs 1, or --parity-a vs "
+        "batch split. With --parity, train it twice for a few steps (the launch's processes vs 1, or --parity-a vs "
         "--parity-b) and report the first step and parameter where the two differ beyond tolerance.",
     )
     check.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")

@@ -16,7 +16,7 @@ class BatchMathError(ValueError):
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     global_batch: int
     """Samples per optimizer step, over all ranks."""
     micro_batch: int
@@ -38,8 +38,8 @@ class BatchPlan:
         global_batch_tokens: int = 0,
         tokens_per_sample: int = 0,
         other_dp_sizes: Sequence[int] = (),
-    ) -> BatchPlan:
-        """The plan at `dp_size` replicas for train.micro_batch, train.global_batch (0: no accumulation) and
+    ) -> BatchSplit:
+        """The split at `dp_size` replicas for train.micro_batch, train.global_batch (0: no accumulation) and
         train.global_batch_tokens (0: unset). `other_dp_sizes`: the sizes the same job may also run at (an
         elastic node range), so that a suggested fix divides at every one of them."""
         micro = micro_batch

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.core.errors import UserError
 
 
@@ -36,28 +36,28 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __init__(
         self,
         num_samples: int,
-        plan: BatchPlan,
+        split: BatchSplit,
         dp_rank: int,
         seed: int,
         shuffle: bool = True,
         start: DataPosition = DataPosition(),
     ) -> None:
-        if num_samples < plan.global_batch:
+        if num_samples < split.global_batch:
             raise DatasetTooSmallError(
                 f"the training set has {num_samples} samples, fewer than one global batch of "
-                f"{plan.global_batch} ({plan.describe()}). Fix: a larger dataset, or a smaller "
+                f"{split.global_batch} ({split.describe()}). Fix: a larger dataset, or a smaller "
                 "--train.global_batch / --train.micro_batch."
             )
-        assert 0 <= dp_rank < plan.dp_size
+        assert 0 <= dp_rank < split.dp_size
         self.num_samples = num_samples
-        self.plan = plan
+        self.split = split
         self.dp_rank = dp_rank
         self.seed = seed
         self.shuffle = shuffle
         if not (start.epoch >= 0 and 0 <= start.offset <= num_samples):
             raise ValueError(f"data position {start} is outside a training set of {num_samples} samples")
         self.start = start
-        self.steps_per_epoch = num_samples // plan.global_batch  # the ragged tail of an epoch is dropped
+        self.steps_per_epoch = num_samples // split.global_batch  # the ragged tail of an epoch is dropped
         self._order_epoch = -1
         self._order = torch.arange(0)
 
@@ -74,7 +74,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def position_after(self, steps: int) -> DataPosition:
         """Where the data stands after `steps` steps from `start`."""
-        gb, epoch, offset = self.plan.global_batch, self.start.epoch, self.start.offset
+        gb, epoch, offset = self.split.global_batch, self.start.epoch, self.start.offset
         left_in_epoch = (self.num_samples - offset) // gb
         if steps <= left_in_epoch:
             return DataPosition(epoch, offset + steps * gb)
@@ -87,14 +87,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """The ids every rank together consumes at the `step`-th step from `start`, in micro-batch order."""
         position = self.position_after(step)
         epoch, offset = position.epoch, position.offset
-        if offset + self.plan.global_batch > self.num_samples:  # the ragged end: the next epoch begins
+        if offset + self.split.global_batch > self.num_samples:  # the ragged end: the next epoch begins
             epoch, offset = epoch + 1, 0
-        return self.epoch_order(epoch)[offset : offset + self.plan.global_batch]
+        return self.epoch_order(epoch)[offset : offset + self.split.global_batch]
 
     def micro_batches(self, step: int) -> list[list[int]]:
         """This rank's `accum_steps` micro-batches for the `step`-th step from `start`."""
-        chunks = self.global_batch_ids(step).view(-1, self.plan.micro_batch)  # (global/micro, micro)
-        mine = chunks[self.dp_rank :: self.plan.dp_size]  # (accum_steps, micro)
+        chunks = self.global_batch_ids(step).view(-1, self.split.micro_batch)  # (global/micro, micro)
+        mine = chunks[self.dp_rank :: self.split.dp_size]  # (accum_steps, micro)
         return mine.tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -104,7 +104,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             step += 1
 
     def __len__(self) -> int:  # one epoch's worth; the iterator itself never ends
-        return self.steps_per_epoch * self.plan.accum_steps
+        return self.steps_per_epoch * self.split.accum_steps
 
 
 def position_at_step(step: int, global_batch: int, num_samples: int) -> DataPosition:

@@ -35,7 +35,7 @@ from trainmesh.config.loader import (
     parse_override,
 )
 from trainmesh.config.schema import Config
-from trainmesh.core.batch import BatchMathError, BatchPlan
+from trainmesh.core.batch import BatchMathError, BatchSplit
 from trainmesh.core.env import DistEnv
 from trainmesh.recipes import Recipe, get_recipe
 from trainmesh.strategies import Layout, check_layout, resolve_parallelism
@@ -53,7 +53,7 @@ class Job:
     world_size: int
     layout: Layout
     """The data-parallel strategy (`auto` resolved) and the degrees of the device mesh."""
-    batch: BatchPlan
+    batch: BatchSplit
     """Global batch = micro-batch × accumulation steps × data-parallel ranks."""
     recipe: Recipe
     """The built-in recipe run.recipe names, or the caller's own (recipes hold no state)."""
@@ -190,7 +190,7 @@ def resolve(
         _check_fp8_tokens(train.micro_batch, par.pipeline.microbatches if layout.dims.pp > 1 else 1, recipe, config)
     try:
         others = [resolve_parallelism(par, w).dims.dp_size for w in other_world_sizes if w != world_size]
-        batch = BatchPlan.derive(
+        batch = BatchSplit.derive(
             micro_batch=train.micro_batch,
             global_batch=train.global_batch,
             global_batch_tokens=train.global_batch_tokens,

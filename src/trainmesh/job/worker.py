@@ -30,7 +30,7 @@ from trainmesh.job.rundir import SAME_CONFIG_FIX, RunFolder, RunFolderError, con
 from trainmesh.launch.exit_records import record_exit, record_start
 from trainmesh.recipes import Recipe
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.train.faults import FaultPlan
+from trainmesh.train.faults import FaultSchedule
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.loop import TrainResult, train
 from trainmesh.train.parity import ParityProbe
@@ -142,7 +142,7 @@ def _train(job: Job, folder: RunFolder, runtime: Runtime) -> TrainResult:
     stall_watch = StallWatchdog(
         folder.path, job.config.dist.stall_timeout_s, runtime.rank, runtime.world_size, store_client("watchdog"), label
     )
-    faults = FaultPlan.from_environ(runtime.rank, folder.path)  # the test hook, parsed once
+    faults = FaultSchedule.from_environ(runtime.rank, folder.path)  # the test hook, parsed once
     with PreemptionWatch() as preemption, stall_watch as watchdog:
 
         def started(step: int) -> None:  # config.toml is replaced once the run's checkpoint has loaded

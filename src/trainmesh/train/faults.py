@@ -15,7 +15,7 @@ phase: step (default: right after optimizer step `step` completes) | data (while
 
 Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
 attempt that torchrun restarts after it does not inject it again. The worker parses the variable once
-(`FaultPlan.from_environ`) and passes the plan down; unset, the plan is empty and does nothing. Code that
+(`FaultSchedule.from_environ`) and passes the plan down; unset, the plan is empty and does nothing. Code that
 calls `train.loop.train` or builds a `Checkpointer` itself (the benchmarks) passes no plan: no faults.
 """
 
@@ -68,7 +68,7 @@ def parse_faults(spec: str) -> list[Fault]:
     return faults
 
 
-class FaultPlan:
+class FaultSchedule:
     """The faults planned for one rank, parsed once from TRAINMESH_FAULT when the worker starts; with none
     planned (the normal case) every method returns at once."""
 
@@ -77,11 +77,11 @@ class FaultPlan:
         self.run_dir = run_dir
 
     @classmethod
-    def from_environ(cls, rank: int, run_dir: Path) -> FaultPlan:
+    def from_environ(cls, rank: int, run_dir: Path) -> FaultSchedule:
         return cls(parse_faults(read_var(ENV_VAR)), rank, run_dir)
 
     @classmethod
-    def none(cls) -> FaultPlan:
+    def none(cls) -> FaultSchedule:
         return cls([], 0, Path("."))
 
     def inject(self, step: int, phase: str) -> None:

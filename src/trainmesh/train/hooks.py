@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.train.faults import FaultPlan
+from trainmesh.train.faults import FaultSchedule
 from trainmesh.train.parity import ParityProbe
 from trainmesh.train.preemption import PreemptionWatch
 from trainmesh.train.watchdog import StallWatchdog
@@ -28,7 +28,7 @@ class RunHooks:
     """SIGTERM / Ctrl-C requests (a watch that is not installed never reports one)."""
     watchdog: StallWatchdog = field(default_factory=StallWatchdog.off)
     """Told of every finished step, evaluation and checkpoint."""
-    faults: FaultPlan = field(default_factory=FaultPlan.none)
+    faults: FaultSchedule = field(default_factory=FaultSchedule.none)
     """The faults TRAINMESH_FAULT plans for this rank (tests only)."""
     probe: ParityProbe | None = None
     """Fingerprints of every step for `trainmesh check --parity` (TRAINMESH_PARITY_RECORD); None: off."""

@@ -34,7 +34,7 @@ from torch.utils.data.dataloader import default_collate
 
 from trainmesh.checkpoint import step_dir
 from trainmesh.config.schema import Config
-from trainmesh.core.batch import BatchPlan, loss_scale
+from trainmesh.core.batch import BatchSplit, loss_scale
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.data.workers import Batches
@@ -86,18 +86,18 @@ class StepResult:
 
 
 def train(
-    config: Config, plan: BatchPlan, recipe: Recipe, runtime: Runtime, run_dir: Path, hooks: RunHooks | None = None
+    config: Config, split: BatchSplit, recipe: Recipe, runtime: Runtime, run_dir: Path, hooks: RunHooks | None = None
 ) -> TrainResult:
-    """Train to `train.max_steps` with the batch `plan` (a resolved Job's), or until a rank receives SIGTERM or
+    """Train to `train.max_steps` with the batch `split` (a resolved Job's), or until a rank receives SIGTERM or
     Ctrl-C (then: checkpoint and stop). The [profile] section's traces record the steps it schedules; its
     out-of-memory snapshot covers everything from the model's construction on."""
     hooks = hooks or RunHooks()
     with StepProfiler(config.profile, run_dir, runtime.rank, runtime.device) as profiler:
-        s = set_up(config, plan, recipe, runtime, run_dir, hooks, profiler)
+        s = set_up(config, split, recipe, runtime, run_dir, hooks, profiler)
         hooks.started(s.start_step)
         try:
             with Monitor(runtime.device) as monitor:  # host and device figures for the metrics, off this thread
-                window = MetricsWindow(plan, runtime, s.flops_per_token, s.peak, profiler.clock, monitor)
+                window = MetricsWindow(split, runtime, s.flops_per_token, s.peak, profiler.clock, monitor)
                 return _run(s, window)
         except BaseException as e:  # the records so far are written, and a tracker shows the run as failed
             if s.writer:
@@ -113,7 +113,7 @@ def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tenso
     set_lr(s.optimizer, lr)
     with timer.phase("data"):
         hooks.before_data(step)
-        micro_batches = [next(batches) for _ in range(s.plan.accum_steps)]  # GPT: (tokens, targets), each (B, T)
+        micro_batches = [next(batches) for _ in range(s.split.accum_steps)]  # GPT: (tokens, targets), each (B, T)
     # Counted on the CPU, once per model replica (pipeline and tensor-parallel peers read the same batch).
     local_targets = sum(s.recipe.count_targets(mb) for mb in micro_batches) if rt.strategy.owns_loss else 0
     # In flight during the first forward: the batch's target count, how many ranks saw SIGTERM, the earlier loss.
@@ -128,7 +128,7 @@ def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tenso
     step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)  # this rank's summed loss, in float64
     with timer.phase("forward_backward"):
         for i, batch in enumerate(timer.forward_passes(micro_batches)):
-            with rt.no_sync(s.model, enabled=i < s.plan.accum_steps - 1):  # gradients sync on the last only
+            with rt.no_sync(s.model, enabled=i < s.split.accum_steps - 1):  # gradients sync on the last only
                 step_loss += rt.strategy.forward_backward(
                     s.model, rt.to_device(batch), objective, scale, rt.precision, timer.mark
                 )
@@ -207,7 +207,7 @@ class _Loop:
         if not result.stepped:
             s.runtime.strategy.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
         s.state.step = step
-        s.state.samples_seen += s.plan.global_batch
+        s.state.samples_seen += s.split.global_batch
         s.hooks.step_done(step)
         with s.profiler.phase("log"):
             self.report(window.add(result.reduce, result.loss, result.targets, result.stepped))  # the previous window's

@@ -17,7 +17,7 @@ from trainmesh.checkpoint import Checkpointer, TrainerState, find_resumable, loa
 from trainmesh.checkpoint.catalog import check_no_collision
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import Config
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.core.dist import seed_everything
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
@@ -43,7 +43,7 @@ class Session:
     then what set-up built from them."""
 
     config: Config
-    plan: BatchPlan
+    split: BatchSplit
     """The resolved batch: micro-batches per step (`accum_steps`) and samples per step (`global_batch`)."""
     recipe: Recipe
     runtime: Runtime
@@ -80,7 +80,7 @@ class Session:
 
 def set_up(
     config: Config,
-    plan: BatchPlan,
+    split: BatchSplit,
     recipe: Recipe,
     runtime: Runtime,
     run_dir: Path,
@@ -107,9 +107,9 @@ def set_up(
     optimizer = build_optimizer(raw_model, config.optim, runtime.device)  # on what setup left on this rank
     seed_everything(config.run.seed + 1 + runtime.strategy.seed_rank)
 
-    state, position = _start_state(config, plan, n_train, model, optimizer, runtime, run_dir)
+    state, position = _start_state(config, split, n_train, model, optimizer, runtime, run_dir)
     sampler = GlobalBatchSampler(
-        n_train, plan, runtime.strategy.dp_rank, config.run.seed, config.data.shuffle, position
+        n_train, split, runtime.strategy.dp_rank, config.run.seed, config.data.shuffle, position
     )
     loader = DataLoader(
         train_set,
@@ -122,12 +122,12 @@ def set_up(
         generator=torch.Generator().manual_seed(config.run.seed + runtime.rank),
     )
     eval_ids = eval_micro_batches(
-        n_val, config.train.eval_samples, plan.micro_batch, runtime.strategy.dp_rank, runtime.strategy.dp_size
+        n_val, config.train.eval_samples, split.micro_batch, runtime.strategy.dp_rank, runtime.strategy.dp_size
     )
     writer = runtime.on_main(lambda: _metrics_writer(config, run_dir, resumed=state.step > 0))  # rank 0's
     peak = device_peak(runtime.device, runtime.precision.peak_dtype, runtime.tf32)
     if runtime.is_main_process:
-        log.info("%s; %d steps/epoch; %s parameters", plan.describe(), sampler.steps_per_epoch, f"{n_params:,}")
+        log.info("%s; %d steps/epoch; %s parameters", split.describe(), sampler.steps_per_epoch, f"{n_params:,}")
         if peak:
             log.info("MFU: %s", peak.describe())
 
@@ -140,7 +140,7 @@ def set_up(
     )
     step_hooks = StepHooks(hooks, runtime, raw_model, config.train.grad_clip)
     return Session(
-        config, plan, recipe, runtime, step_hooks, profiler, model, raw_model, optimizer, objective, state,
+        config, split, recipe, runtime, step_hooks, profiler, model, raw_model, optimizer, objective, state,
         state.step, sampler, loader, val_set, eval_ids, checkpointer, writer, flops_per_token, peak,
     )  # fmt: skip
 
@@ -156,7 +156,7 @@ def _metrics_writer(config: Config, run_dir: Path, resumed: bool) -> MetricsWrit
 
 def _start_state(
     config: Config,
-    plan: BatchPlan,
+    split: BatchSplit,
     n_train: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -170,21 +170,21 @@ def _start_state(
     position = DataPosition()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, runtime)
-        position = _resumed_position(state, plan, n_train, runtime)
+        position = _resumed_position(state, split, n_train, runtime)
         # Position and scaler come from the checkpoint; what describes this run is today's.
         state = replace(state, world_size=runtime.world_size, config=config_to_dict(config), versions=versions())
     elif ckpt.resume and runtime.is_main_process:
         log.warning("checkpoint.resume: no valid checkpoint in %s; STARTING FROM STEP 0", run_dir / "checkpoints")
     check_no_collision(run_dir, state.step, runtime)  # before any step: no save of this run can meet an old one
-    state.global_batch = plan.global_batch
+    state.global_batch = split.global_batch
     return state, position
 
 
-def _resumed_position(state: TrainerState, plan: BatchPlan, n_train: int, runtime: Runtime) -> DataPosition:
+def _resumed_position(state: TrainerState, split: BatchSplit, n_train: int, runtime: Runtime) -> DataPosition:
     """Where the data continues after a resume: the position the checkpoint recorded, whatever the global
     batch is now, so that no sample is repeated or skipped."""
     if not state.global_batch:  # saved before positions were recorded: the step fixed it
-        return position_at_step(state.step, plan.global_batch, n_train)
+        return position_at_step(state.step, split.global_batch, n_train)
     position = DataPosition(state.data_epoch, state.data_offset)
     if position.offset > n_train:
         raise DataPositionError(
@@ -192,14 +192,14 @@ def _resumed_position(state: TrainerState, plan: BatchPlan, n_train: int, runtim
             f"has {n_train:,} samples: the data changed since it was saved. Fix: resume with the data.source it was "
             "trained on, or start a new run (--run-id) with this data."
         )
-    if state.global_batch != plan.global_batch and runtime.is_main_process:
+    if state.global_batch != split.global_batch and runtime.is_main_process:
         log.warning(
             "the checkpoint was trained with a global batch of %d samples per step, this run takes %d (%s). The data "
             "continues at sample %d of epoch %d's order: no sample is repeated or skipped; the learning-rate schedule "
             "continues by step. To keep the original batch: --train.global_batch=%d.",
             state.global_batch,
-            plan.global_batch,
-            plan.describe(),
+            split.global_batch,
+            split.describe(),
             position.offset,
             position.epoch,
             state.global_batch,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainmesh.core.batch import BatchPlan
+from trainmesh.core.batch import BatchSplit
 from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
@@ -73,14 +73,14 @@ class Record:
 class MetricsWindow:
     def __init__(
         self,
-        plan: BatchPlan,
+        split: BatchSplit,
         runtime: Runtime,
         flops_per_token: float,
         peak: Peak | None,
         clock: StepClock,
         monitor: Monitor | None = None,
     ) -> None:
-        self.plan, self.runtime, self.flops_per_token, self.peak = plan, runtime, flops_per_token, peak
+        self.split, self.runtime, self.flops_per_token, self.peak = split, runtime, flops_per_token, peak
         self.clock, self.monitor = clock, monitor
         self.unsent = torch.zeros((), dtype=torch.float64, device=runtime.device)  # loss no reduce carried yet
         self.reduces: list[PendingReduce] = []  # this window's, each carrying its previous step's loss
@@ -139,13 +139,13 @@ class MetricsWindow:
             "lr": lr,
             "grad_norm": float(grad_norm),
             "step_time_ms": 1000 * elapsed / self.steps,
-            "samples_per_s": self.plan.global_batch * self.steps / elapsed,
+            "samples_per_s": self.split.global_batch * self.steps / elapsed,
             "skipped_steps": self.skipped,
         }
         metrics |= {f"time_{p}_ms": ms for p, ms in zip(PHASES, self.own_times, strict=True)}
         metrics |= {f"time_{p}_ms": 1000 * times_s[p] for p in PAUSES if times_s[p] > 0}  # totals, not per step
-        if self.plan.tokens_per_sample:
-            tokens_per_s = self.plan.tokens_per_step * self.steps / elapsed
+        if self.split.tokens_per_sample:
+            tokens_per_s = self.split.tokens_per_step * self.steps / elapsed
             metrics["tokens_per_s"] = tokens_per_s
             value = mfu(
                 self.flops_per_token,

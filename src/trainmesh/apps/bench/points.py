@@ -1,7 +1,7 @@
 """What a bench runs: the modes and process counts asked for, checked against the machine before anything starts, and
 one `Point` per (mode, count) with the batch that mode gives it.
 
-Details: docs/internals.md#appsbenchplanpy
+Details: docs/internals.md#appsbenchpointspy
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class Point:
     nprocs: int
     """Processes per node (torchrun's --nproc-per-node for this point)."""
     job: Job
-    """The resolved job (world size = nprocs × nodes); its batch plan is the point's."""
+    """The resolved job (world size = nprocs × nodes); its batch split is the point's."""
 
     @property
     def world_size(self) -> int:
@@ -184,7 +184,7 @@ def timing_overrides(steps: int, warmup: int) -> list[str]:
     ]
 
 
-def plan_points(
+def bench_points(
     config_path: str | None,
     overrides: list[str],
     recipe: str,

@@ -145,9 +145,19 @@ def _add_data_parser(sub: Any) -> None:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
 
 
+DESCRIPTION = """One PyTorch training job from one CPU to many GPU machines. For example:
+
+  trainmesh run gpt --config configs/gpt-tiny.toml --nproc-per-node 2 -- --optim.lr=3e-4
+  trainmesh check gpt --config configs/gpt2-124m.toml --nproc-per-node 8 --nnodes 4 --rdzv-endpoint 10.0.0.1:29400
+  trainmesh plan gpt --config configs/gpt2-124m.toml --cluster h100 --nodes 4   # every layout: memory, step time
+  trainmesh run train.py --nproc-per-node 2      # any torchrun-style script
+
+Every command and flag: docs/cli.md; `trainmesh <command> --help` for one."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="trainmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="trainmesh", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"trainmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from trainmesh.testing import run_distributed
 
 from support import nano_config, train_rank, train_records
 from trainmesh.core.env import DistEnv
 from trainmesh.job.worker import run_worker
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import Dataset
-from trainmesh.testing import run_distributed
 
 from support import nano_config
 from trainmesh.config import Config
@@ -20,6 +19,7 @@ from trainmesh.metrics.breakdown import PHASES
 from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 DELAY_S = 0.05

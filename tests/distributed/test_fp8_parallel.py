@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
-from trainmesh.testing import run_distributed
 
 from support import nano_config, train_rank_runs, train_records
 from trainmesh.checkpoint import list_checkpoints, read_full_state
 from trainmesh.job.worker import run_worker
+from trainmesh.testing import run_distributed
 from trainmesh.train.loop import TrainResult
 
 pytestmark = pytest.mark.slow

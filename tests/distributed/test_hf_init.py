@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from trainmesh.testing import run_distributed
 
 from support import nano_config
 from trainmesh.config.schema import DistConfig
 from trainmesh.job.resolve import resolve
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainmesh.testing import DistributedTestError, run_distributed
 
 from support import train_rank
+from trainmesh.testing import DistributedTestError, run_distributed
 from trainmesh.train.faults import ENV_VAR
 
 pytestmark = pytest.mark.slow

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import nano_config
 from trainmesh.apps.parity.compare import compare, read_record
 from trainmesh.data.sharding import GlobalBatchSampler
 from trainmesh.job.worker import run_worker
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 from trainmesh.train import loop
 from trainmesh.train.parity import ENV_VAR, NUDGE_VAR
 

@@ -7,10 +7,10 @@ block 0 of 2 checkpointed; bf16-true with every block checkpointed."""
 from __future__ import annotations
 
 import pytest
-from trainmesh.testing import run_distributed
 
 from support import gpt_saved_bytes
 from trainmesh.apps.plan.activations import gpt_activations
+from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

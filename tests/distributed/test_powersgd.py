@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import train_rank, train_rank_runs
+from trainmesh.testing import run_distributed
 from trainmesh.train.faults import ENV_VAR
 
 pytestmark = pytest.mark.timeout(240)

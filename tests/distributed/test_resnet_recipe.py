@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import assert_same_training
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.job.resolve import load_config
 from trainmesh.job.worker import run_worker
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 

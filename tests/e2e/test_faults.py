@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import nano_toml, rank_output, train_rank
 from trainmesh.checkpoint import latest_checkpoint, list_checkpoints, read_full_state, verify
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 

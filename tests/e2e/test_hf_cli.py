@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from trainmesh.testing import run_distributed
 
 from support import nano_config, refused_before_writing, train_rank
 from trainmesh.checkpoint.dcp import read_full_state
@@ -23,6 +22,7 @@ from trainmesh.job.resolve import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

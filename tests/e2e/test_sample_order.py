@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainmesh.testing import run_distributed
 
 from e2e.scripts.consumed_ids import IdLoggingRecipe
 from support import nano_toml
 from trainmesh.job.resolve import load_config
 from trainmesh.job.worker import run_worker
+from trainmesh.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 

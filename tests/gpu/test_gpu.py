@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from trainmesh.testing import run_distributed
 
 from support import assert_learned, nano_config, train_rank, train_records, val_losses
 from trainmesh.checkpoint import list_checkpoints
@@ -21,6 +20,7 @@ from trainmesh.job.resolve import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics.mfu import device_peak
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 from trainmesh.train.faults import ENV_VAR
 from trainmesh.train.optim import build_optimizer
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import train_rank_runs
 from trainmesh.config.schema import DistConfig
 from trainmesh.precision.fp8 import FP8_MIN_CAPABILITY
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from trainmesh.testing import run_distributed
 
 from support import assert_learned, nano_config, nano_toml, train_rank
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.core.env import free_port
 from trainmesh.job.worker import run_worker
 from trainmesh.layers import SyncBatchNorm
+from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

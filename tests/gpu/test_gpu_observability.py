@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from trainmesh.testing import run_distributed
 
 from support import nano_config, train_records
 from trainmesh.job.worker import run_worker
+from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

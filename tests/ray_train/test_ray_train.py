@@ -25,13 +25,13 @@ pytest.importorskip("ray.train.torch")
 
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402  (after the skip)
 from ray.train.torch import TorchTrainer  # noqa: E402
-from trainmesh.testing import run_distributed  # noqa: E402
 
 from support import nano_config, train_rank, train_records  # noqa: E402
 from trainmesh.checkpoint import list_checkpoints  # noqa: E402
 from trainmesh.checkpoint.dcp import read_full_state  # noqa: E402
 from trainmesh.compat.ray import fit, prepare, train_loop_config, train_loop_per_worker  # noqa: E402
 from trainmesh.runtime.runtime import Runtime  # noqa: E402
+from trainmesh.testing import run_distributed  # noqa: E402
 from trainmesh.train.faults import ENV_VAR as FAULT_VARIABLE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # Ray starts its workers in about 20 s on 2 cores

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainmesh.testing import DistributedTestError, run_distributed
 
 from support import nano_config, train_rank
 from trainmesh.checkpoint.catalog import LATEST, make_checkpoint_root, write_latest
@@ -27,6 +26,7 @@ from trainmesh.job.locks import RunLock, hold_as_worker
 from trainmesh.job.resolve import load_config
 from trainmesh.job.rundir import RunFolder, RunFolderError
 from trainmesh.job.worker import run_worker
+from trainmesh.testing import DistributedTestError, run_distributed
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
 
 

@@ -64,3 +64,10 @@ def test_disabled_shows_nothing(logged: list[str]) -> None:
     bar.update(5, 1.0, 1e-3, 100.0)
     bar.close()
     assert stream.getvalue() == "" and logged == []
+
+
+def test_a_bar_that_showed_no_step_closes_without_drawing(logged: list[str]) -> None:
+    """A resumed run already at train.max_steps trains no step: no empty bar."""
+    stream = Terminal()
+    ProgressBar(20, start_step=20, stream=stream).close()
+    assert stream.getvalue() == "" and logged == []

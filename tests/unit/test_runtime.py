@@ -68,3 +68,17 @@ def test_a_config_is_completed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     in_code = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=0))
     assert resolve(in_code, 1).config.model.vocab_size == 256  # type: ignore[attr-defined]  # the byte tokenizer's
     assert calls == ["complete", "complete"]
+
+
+def test_a_config_holding_a_list_resolves_and_completes_once() -> None:
+    """Completing is remembered by identity: a config built in code may hold lists (not hashable)."""
+    from trainmesh.config.schema import LogConfig
+
+    config = load_config(None, [], "resnet")
+    listed = dataclasses.replace(config, log=LogConfig(sinks=["tensorboard"]))  # type: ignore[arg-type]
+    assert resolve(listed, 1).config.log.sinks == ["tensorboard"]
+
+
+def test_a_user_loop_reads_its_data_parallel_place() -> None:
+    rt = Runtime(strategy="single", dist_config=DistConfig(device="cpu"))
+    assert (rt.dp_size, rt.dp_rank) == (1, 0)

@@ -122,18 +122,20 @@ def load_config(
         raise ConfigError(_with_origin(str(e), path, _dotted_keys(in_toml), keys_set_here)) from None
 
 
-_completed: weakref.WeakKeyDictionary[Config, type[Recipe]] = weakref.WeakKeyDictionary()
-"""Configs completed in this process, with the recipe that completed them."""
+_completed: dict[int, tuple[weakref.ref[Config], type[Recipe]]] = {}
+"""Configs completed in this process, by identity (a config may hold lists: not hashable), with their recipe."""
 
 
 def _complete(config: Config, recipe: Recipe) -> Config:
     """`config` with the recipe's derived model settings filled in (`Recipe.complete_model`), once per process:
     completing reads files (the data's manifest, the tokenizer, model.init_from's config.json), and a config
     completed already (the worker's, from load_config, then resolved) is complete."""
-    if _completed.get(config) is type(recipe):
+    known = _completed.get(id(config))
+    if known is not None and known[0]() is config and known[1] is type(recipe):
         return config
     complete = dataclasses.replace(config, model=recipe.complete_model(config))
-    _completed[complete] = type(recipe)
+    key = id(complete)
+    _completed[key] = (weakref.ref(complete, lambda _: _completed.pop(key, None)), type(recipe))
     return complete
 
 

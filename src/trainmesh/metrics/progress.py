@@ -66,7 +66,8 @@ class ProgressBar:
             log.info(text)
 
     def close(self) -> None:
-        """Leave the bar's final state on its own line."""
+        """Leave the bar's final state on its own line (none when it never showed a step)."""
         if self._bar is not None:
+            self._bar.disable = not self._drawn  # a disabled bar closes without drawing
             self._bar.close()
             self._bar = None

@@ -171,6 +171,16 @@ class Runtime(Collectives):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.strategy.unwrap(model)
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: how many ways your own data is split (tensor and pipeline peers share one)."""
+        return self.strategy.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel replica, 0 to dp_size - 1: which share of your data it reads."""
+        return self.strategy.dp_rank
+
     def setup_dataloader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
         """Rebuild `loader` so each data-parallel rank reads a disjoint shard (DistributedSampler).
 

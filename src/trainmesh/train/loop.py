@@ -169,6 +169,9 @@ def _run(s: Session, window: MetricsWindow) -> TrainResult:
                 if loop.checkpoint != step_dir(s.checkpointer.run_dir, state.step):
                     loop.save()
                 break
+    except BaseException:
+        loop.bar.close()  # the traceback below the bar, not the bar redrawn after it
+        raise
     finally:
         batches.close()  # its worker processes go now, however the loop ended (data/workers.py)
     return loop.finish(initial_val_loss, stop)

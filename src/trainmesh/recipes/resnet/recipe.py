@@ -1,4 +1,4 @@
-"""The ResNet recipe: an image classifier on scikit-learn's digits or an image folder, with BatchNorm or
+"""The ResNet recipe: an image classifier on UCI's handwritten digits (shipped) or an image folder, with BatchNorm or
 SyncBatchNorm, reporting validation top-1 accuracy next to the loss."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = get_logger(__name__)
 class ResNetRecipe(Recipe):
     name = "resnet"
     model_config_cls = ResNetConfig
-    data_sources = "'embedded' (scikit-learn's digits), or a folder of class sub-folders of images"
+    data_sources = "'embedded' (UCI's handwritten digits, shipped), or a folder of class sub-folders of images"
     # image_size too: model.stem=auto picks the stem (and so its weights' shapes) by it
     checkpoint_pins = tuple(
         f"model.{key}" for key in ("depth", "width", "num_classes", "in_channels", "stem", "image_size")

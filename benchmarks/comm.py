@@ -29,7 +29,7 @@ import torch
 from launcher import launch, timed_run_overrides, typed_command
 from trainmesh.config.schema import COMM_HOOKS
 from trainmesh.data.corpus import default_cache_dir
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.metrics.breakdown import PHASES
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import get_recipe

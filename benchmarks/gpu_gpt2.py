@@ -42,7 +42,7 @@ from plain_gpt import PlainConfig, PlainGPT
 from trainmesh.config import Config
 from trainmesh.core.batch import BatchSplit
 from trainmesh.data.sharding import GlobalBatchSampler
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.metrics.mfu import FORMULA, Peak, device_peak, mfu
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.metrics.trace import format_breakdown, step_breakdown

@@ -36,7 +36,7 @@ from launcher import launch, timed_run_overrides, typed_command
 from trainmesh.config import Config
 from trainmesh.core.batch import BatchSplit
 from trainmesh.data.corpus import default_cache_dir
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import get_recipe
 from trainmesh.recipes.gpt.model import GPT, GPTConfig

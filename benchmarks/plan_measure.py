@@ -2,7 +2,7 @@
 
 Each layout is a list of trainmesh config overrides and a world size. It runs in fresh gloo processes on the CPU
 (`trainmesh.launch.spawn.run_distributed`, one thread per rank; more ranks than cores are oversubscribed), and every
-rank builds exactly what a trainmesh run builds: `trainmesh.job.resolve.load_config(config, overrides, "gpt")`,
+rank builds exactly what a trainmesh run builds: `trainmesh.job.spec.load_config(config, overrides, "gpt")`,
 `resolve(config, world_size)` -> Job, `job.runtime()`, then the training loop's own set-up
 (`trainmesh.train.setup.set_up`: data, `recipe.build_model`, `runtime.setup` with the recipe's parallel plan,
 `build_optimizer`, the loader) and the loop's own step (`trainmesh.train.loop.train_step`: the step's
@@ -72,7 +72,7 @@ from torch.utils.hooks import RemovableHandle
 from memory import SavedTensors, local, local_bytes
 from trainmesh.config import ConfigError
 from trainmesh.core.env import DistEnv
-from trainmesh.job.resolve import Job, load_config, resolve
+from trainmesh.job.spec import Job, load_config, resolve
 from trainmesh.launch.spawn import DistributedTestError, run_distributed
 from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.runtime.runtime import Runtime

@@ -46,7 +46,7 @@ from trainmesh.apps.plan.cluster import Cluster, GiB, get_cluster
 from trainmesh.apps.plan.estimate import TIME_PARTS, Estimate
 from trainmesh.apps.plan.search import Workload, estimate, mfu, plan_layouts
 from trainmesh.cli.plan import ASSUMPTIONS
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 
 GPUS = tuple(8 * 2**k for k in range(10))  # 8 … 4096, whole nodes of 8
 

@@ -32,7 +32,7 @@ from trainmesh.apps.plan.cluster import Cluster, load_calibration
 from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory, step_time
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
 
 MiB = 2**20

@@ -22,7 +22,7 @@ from trainmesh.config import Config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.schema import DistConfig, ParallelConfig
 from trainmesh.core.env import free_port
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics.sinks import read_metrics
 from trainmesh.recipes.base import Datasets, Recipe

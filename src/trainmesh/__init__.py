@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         ParallelConfig,
         PipelineConfig,
     )
-    from trainmesh.job.resolve import Job, load_config, resolve
+    from trainmesh.job.spec import Job, load_config, resolve
     from trainmesh.job.worker import run_worker
     from trainmesh.recipes.base import Datasets, Recipe
     from trainmesh.runtime.runtime import Runtime
@@ -49,9 +49,9 @@ _LAZY = {
     "Float8Config": "trainmesh.config.schema",
     "ParallelConfig": "trainmesh.config.schema",
     "PipelineConfig": "trainmesh.config.schema",
-    "Job": "trainmesh.job.resolve",
-    "load_config": "trainmesh.job.resolve",
-    "resolve": "trainmesh.job.resolve",
+    "Job": "trainmesh.job.spec",
+    "load_config": "trainmesh.job.spec",
+    "resolve": "trainmesh.job.spec",
     "Recipe": "trainmesh.recipes.base",
     "Datasets": "trainmesh.recipes.base",
     "run_worker": "trainmesh.job.worker",

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from support import nano_config
 from trainmesh.config.schema import DistConfig
-from trainmesh.job.resolve import resolve
+from trainmesh.job.spec import resolve
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.testing import run_distributed
 

@@ -16,7 +16,7 @@ import torch
 
 from support import assert_same_training
 from trainmesh.checkpoint import list_checkpoints
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.testing import run_distributed
 

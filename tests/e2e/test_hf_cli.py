@@ -18,7 +18,7 @@ from trainmesh.checkpoint.dcp import read_full_state
 from trainmesh.cli import main
 from trainmesh.config import load_toml
 from trainmesh.config.schema import DistConfig
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
 from trainmesh.runtime.runtime import Runtime

@@ -13,7 +13,7 @@ import pytest
 
 from e2e.scripts.consumed_ids import IdLoggingRecipe
 from support import nano_toml
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.testing import run_distributed
 

@@ -16,7 +16,7 @@ from support import assert_learned, nano_config, train_rank, train_records, val_
 from trainmesh.checkpoint import list_checkpoints
 from trainmesh.config.schema import DistConfig
 from trainmesh.core.dist import tf32_note
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics.mfu import device_peak
 from trainmesh.runtime.runtime import Runtime

@@ -9,7 +9,7 @@ import pytest
 from trainmesh.config import ConfigError, build_config, dump_toml, load_toml
 from trainmesh.config.loader import config_to_dict, parse_override
 from trainmesh.config.schema import SampleConfig
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt import GPTConfig
 
 

@@ -212,7 +212,7 @@ def test_a_prepared_folder_is_read_from_its_manifest(tmp_path: Path) -> None:
 def test_the_gpt_recipe_takes_the_vocabulary_from_the_manifest_and_refuses_another_tokenizer(tmp_path: Path) -> None:
     from trainmesh.config import ConfigError
     from trainmesh.data.prepare import PrepareOptions, prepare
-    from trainmesh.job.resolve import load_config
+    from trainmesh.job.spec import load_config
 
     (tmp_path / "a.txt").write_text("text to train on " * 500)
     prepare(PrepareOptions((tmp_path / "a.txt",), tmp_path / "data", tokenizer="gpt2", progress=False))

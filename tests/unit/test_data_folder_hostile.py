@@ -17,7 +17,7 @@ from trainmesh.data import manifest as manifest_module
 from trainmesh.data.corpus import BadShardError, check_token_range, shard_corpus
 from trainmesh.data.manifest import MANIFEST, Manifest, SplitInfo, TokenizerInfo
 from trainmesh.data.shards import ShardWriter
-from trainmesh.job.resolve import check_data, load_config
+from trainmesh.job.spec import check_data, load_config
 from trainmesh.recipes.gpt import recipe as recipe_module
 
 

@@ -19,7 +19,7 @@ from trainmesh.cli import main
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig, Float8Config, ParallelConfig
 from trainmesh.core.env import DistEnv
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics import mfu
 from trainmesh.precision import build_precision, check_precision_supported

@@ -13,7 +13,7 @@ import torch
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt import GPT, GPTConfig, GPTRecipe
 from trainmesh.recipes.gpt.hf import hf_config, split_heads, to_hf_state
 from trainmesh.recipes.gpt.hf_export import HFFormat

@@ -11,7 +11,7 @@ from support import assert_config_recorded, nano_config
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import ModelConfig, ParallelConfig
 from trainmesh.core.env import DistEnv
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.job.worker import run_worker
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime

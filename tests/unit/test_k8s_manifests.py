@@ -15,7 +15,7 @@ import yaml
 from trainmesh.apps.schedulers.kubernetes import RANK_MEMORY_GI, WORKER_MEMORY_GI, K8sJob, render_manifests
 from trainmesh.cli import main
 from trainmesh.config import load_toml
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = str(ROOT / "configs" / "gpt2-124m.toml")

@@ -76,7 +76,9 @@ def test_imports_point_down_only() -> None:
         for line, there in _imports(path):
             if there == here or (there == FACADE and here == "cli"):
                 continue
-            if there == FACADE or layer[there] >= layer[here]:
+            if there != FACADE and there not in layer:
+                upward.append(f"{path.relative_to(SRC.parent)}:{line}: {here} imports trainmesh.{there}, no package")
+            elif there == FACADE or layer[there] >= layer[here]:
                 upward.append(f"{path.relative_to(SRC.parent)}:{line}: {here} imports {there}")
     assert not upward, "imports that point up or sideways (a cycle waiting to happen):\n" + "\n".join(upward)
 
@@ -101,10 +103,13 @@ _ENV_NAMES = {"environ", "environb", "getenv", "putenv", "unsetenv"}
 def _environment_uses(path: Path) -> list[int]:
     """Lines of `path` that touch the process environment directly (os.environ, os.getenv, ...)."""
     tree = ast.parse(path.read_text(), str(path))
+    names_of_os = {"os"} | {
+        a.asname for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names if a.name == "os"
+    }
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in _ENV_NAMES:
-            if isinstance(node.value, ast.Name) and node.value.id == "os":
+            if isinstance(node.value, ast.Name) and node.value.id in names_of_os:
                 lines.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and node.module == "os":
             lines += [node.lineno for a in node.names if a.name in _ENV_NAMES]
@@ -126,6 +131,7 @@ def test_the_environment_check_catches_a_direct_read(tmp_path: Path, monkeypatch
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "m.py").write_text("import os\nx = os.environ.get('RANK')\n")
     (tmp_path / "train" / "n.py").write_text("from os import getenv\n")
+    (tmp_path / "train" / "o.py").write_text("import os as system\n\nsystem.environ['RANK'] = '0'\n")
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
-    with pytest.raises(AssertionError, match=r"train/m.py:2\n\s*train/n.py:1"):
+    with pytest.raises(AssertionError, match=r"train/m.py:2\n\s*train/n.py:1\n\s*train/o.py:3"):
         test_the_environment_is_read_in_one_place()

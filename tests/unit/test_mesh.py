@@ -7,7 +7,7 @@ import pytest
 from support import nano_config
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import ParallelConfig
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.recipes.resnet.model import ResNet, ResNetConfig, ResNetStage
 from trainmesh.strategies import ParallelDims, resolve_parallelism
 from trainmesh.strategies.mesh import MeshError

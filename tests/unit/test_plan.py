@@ -18,7 +18,7 @@ from trainmesh.apps.plan.layouts import Candidate, candidates
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
 from trainmesh.core.machine import host_memory
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from trainmesh.apps.plan.estimate import PrecisionBytes, pieces_in_flight, stage
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt.model import GPTConfig
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.precision import build_precision, check_precision_supported
 from trainmesh.precision.amp import ScaledMixedPrecision

@@ -16,7 +16,7 @@ from torch import nn
 from trainmesh import Runtime
 from trainmesh.config import ConfigError
 from trainmesh.config.schema import DistConfig
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.layers import SyncBatchNorm, convert_sync_batchnorm
 from trainmesh.recipes.resnet import ResNet, ResNetConfig, ResNetRecipe
 from trainmesh.recipes.resnet.data import (

@@ -23,8 +23,8 @@ from trainmesh.cli import main
 from trainmesh.core.files import UnsafePathError, make_dirs, open_file, write_atomically
 from trainmesh.job import rundir
 from trainmesh.job.locks import RunLock, hold_as_worker
-from trainmesh.job.resolve import load_config
 from trainmesh.job.rundir import RunFolder, RunFolderError
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.testing import DistributedTestError, run_distributed
 from trainmesh.train.watchdog import Heartbeat, StallWatchdog, is_fellow_worker
@@ -290,7 +290,7 @@ def test_torchrun_spellings_of_the_launch_flags_are_accepted(capsys: pytest.Capt
 def test_a_node_restarted_later_may_resume_where_the_first_start_did_not(tmp_path: Path) -> None:
     """The nodes of one job compare their configs, except checkpoint.resume: a pod restarted after checkpoints
     exist resumes (--auto-resume) while the config written by the first start says resume = false."""
-    from trainmesh.job.resolve import load_config, resolve
+    from trainmesh.job.spec import load_config, resolve
     from trainmesh.launch import LaunchError
 
     def job(*overrides: str) -> Any:
@@ -310,7 +310,7 @@ def test_a_joining_node_waits_for_its_own_launchs_config_not_an_earlier_ones(
     folder: a node that joins compares with its own launch's file, written by the node holding the lock."""
     import threading
 
-    from trainmesh.job.resolve import load_config, resolve
+    from trainmesh.job.spec import load_config, resolve
 
     def job(*overrides: str) -> Any:
         return resolve(load_config(None, ["--model.size=nano", *overrides], "gpt"), 1)

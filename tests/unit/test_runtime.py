@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import trainmesh.job.resolve
+import trainmesh.job.spec
 import trainmesh.runtime.runtime
 from trainmesh.config.schema import Config, DistConfig, ModelConfig
-from trainmesh.job.resolve import load_config, resolve
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.recipes.gpt import GPTRecipe
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies import check_layout
@@ -41,7 +41,7 @@ def test_a_worker_checks_its_layout_once(monkeypatch: pytest.MonkeyPatch) -> Non
         calls.append("check")
         check_layout(*args)
 
-    monkeypatch.setattr(trainmesh.job.resolve, "check_layout", counted)
+    monkeypatch.setattr(trainmesh.job.spec, "check_layout", counted)
     monkeypatch.setattr(trainmesh.runtime.runtime, "check_layout", counted)
     job = resolve(load_config(None, ["--dist.device=cpu"], "gpt"), 1)
     job.runtime().teardown()

@@ -17,7 +17,7 @@ from trainmesh.config import ConfigError
 from trainmesh.config.loader import config_to_dict
 from trainmesh.config.log import LogConfig
 from trainmesh.config.schema import Config
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.metrics import trackers as trackers_module
 from trainmesh.metrics.sinks import METRICS_FILE, MetricsWriter, Outcome, read_metrics
 from trainmesh.metrics.trackers import IDS_FILE, RUN_ID_TAG, check_installed, flatten, read_ids, trackers
@@ -110,7 +110,7 @@ def wandb_run(folder: Path) -> dict[str, Any]:
 def wandb_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_DIR", raising=False)  # so its files go to <run>/wandb/
+    monkeypatch.setenv("WANDB_DIR", "")  # empty counts as unset, as before: its files go to <run>/wandb/
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 

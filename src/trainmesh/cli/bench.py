@@ -51,8 +51,8 @@ from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TERMINA
 from trainmesh.core.logging import get_logger
 from trainmesh.core.versions import versions
 from trainmesh.job.launcher import check_launch, launch_into, launch_options
-from trainmesh.job.resolve import Job, load_config
 from trainmesh.job.rundir import RunFolder
+from trainmesh.job.spec import Job, load_config
 from trainmesh.launch import LaunchOptions
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 

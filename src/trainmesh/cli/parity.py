@@ -37,8 +37,8 @@ from trainmesh.core.errors import UserError
 from trainmesh.core.files import write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.job.launcher import check_launch, launch_into, launch_options
-from trainmesh.job.resolve import Job, load_config, resolve
 from trainmesh.job.rundir import RunFolder
+from trainmesh.job.spec import Job, load_config, resolve
 from trainmesh.launch import LaunchOptions
 from trainmesh.train.parity import ENV_VAR, NUDGE_VAR
 

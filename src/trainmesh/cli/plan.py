@@ -26,7 +26,7 @@ from trainmesh.apps.plan.cluster import (
 from trainmesh.apps.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
 from trainmesh.apps.plan.search import Workload, mfu, plan_layouts
 from trainmesh.config import Config, ConfigError
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 
 EXIT_NOTHING_FITS = 3  # distinct from a user error (2) and from a crash (1)
 ASSUMPTIONS = (

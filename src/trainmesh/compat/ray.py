@@ -21,9 +21,9 @@ from trainmesh.config import Config, ConfigError
 from trainmesh.core.dist import existing_group_env
 from trainmesh.core.logging import get_logger
 from trainmesh.job.launcher import check_inputs
-from trainmesh.job.resolve import Job, resolve
 from trainmesh.job.resume import check_resumable
 from trainmesh.job.rundir import RunFolder
+from trainmesh.job.spec import Job, resolve
 from trainmesh.job.worker import run_worker
 from trainmesh.metrics.sinks import METRICS_FILE, read_metrics
 from trainmesh.recipes import Recipe
@@ -113,7 +113,7 @@ def fit(
     torch_config: TorchConfig | None = None,
     recipe: Recipe | None = None,
 ) -> RayRun:
-    """Train `config` (complete, from `trainmesh.job.resolve.load_config`) on Ray Train's workers; the launcher's part
+    """Train `config` (complete, from `trainmesh.job.spec.load_config`) on Ray Train's workers; the launcher's part
     (resolve, run folder, its lock, the resume's check) runs here, on the driver. `run_config` defaults to one that
     keeps Ray's own records in `<run>/ray`; with its FailureConfig(max_failures=N), each restart of the workers
     continues from the run's newest checkpoint."""

@@ -1,6 +1,6 @@
 """Configuration: schema (typed sections) and loading (TOML + dotted overrides).
 
-Resolving a config for a recipe and the cross-section checks live in `trainmesh.job.resolve`, which
+Resolving a config for a recipe and the cross-section checks live in `trainmesh.job.spec`, which
 depends on the recipes (they depend on this package, so it is not re-exported here).
 """
 

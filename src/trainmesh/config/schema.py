@@ -1,7 +1,7 @@
 """The configuration schema: one dataclass per section, each field with a one-line docstring.
 
 Field checks that need only the field live in `__post_init__`; checks across sections (batch math,
-world size) live in `trainmesh.job.resolve`. The recipe supplies the `[model]` section's class.
+world size) live in `trainmesh.job.spec`. The recipe supplies the `[model]` section's class.
 """
 
 from __future__ import annotations

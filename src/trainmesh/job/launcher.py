@@ -11,8 +11,8 @@ from trainmesh.config import Config
 from trainmesh.core.dist import select_device
 from trainmesh.core.env import DistEnv, read_var
 from trainmesh.core.files import make_dirs
-from trainmesh.job.resolve import Job, check_data, resolve
 from trainmesh.job.rundir import RunFolder
+from trainmesh.job.spec import Job, check_data, resolve
 from trainmesh.launch import LaunchError, LaunchOptions, launch
 from trainmesh.launch.rank_logs import LOGS_DIR, LogSettings
 from trainmesh.metrics.trackers import check_installed

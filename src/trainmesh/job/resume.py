@@ -26,8 +26,8 @@ from trainmesh.config.loader import config_to_dict, load_toml, merge_overrides, 
 from trainmesh.config.schema import RunConfig
 from trainmesh.core.files import read_bytes
 from trainmesh.core.logging import get_logger
-from trainmesh.job.resolve import load_config
 from trainmesh.job.rundir import CONFIG_FILE, DECIDED_BY_EACH_LAUNCH, MAX_CONFIG_BYTES
+from trainmesh.job.spec import load_config
 from trainmesh.recipes import get_recipe
 
 log = get_logger(__name__)
@@ -70,7 +70,7 @@ def load_run_config(
     auto_resume: bool = False,
     run_dir: Path | None = None,
 ) -> RunStart:
-    """The config of a command line: `trainmesh.job.resolve.load_config`'s, except that a resume (checkpoint.resume from
+    """The config of a command line: `trainmesh.job.spec.load_config`'s, except that a resume (checkpoint.resume from
     --resume or an override, or `auto_resume`) of a run with a recorded config starts from that config, with the
     --config file and the overrides on top. `run_dir`: the run's folder where the caller knows it (the worker's
     --run-dir), else <run.out_dir>/<run.id>. Raises ConfigError for a change its newest checkpoint cannot load."""

@@ -31,7 +31,7 @@ from trainmesh.job.locks import RunFolderError, RunLock, hold_as_worker
 from trainmesh.launch.options import LaunchError
 
 if TYPE_CHECKING:
-    from trainmesh.job.resolve import Job
+    from trainmesh.job.spec import Job
 
 log = get_logger(__name__)
 

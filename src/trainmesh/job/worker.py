@@ -24,9 +24,9 @@ from trainmesh.core.dist import current_env, store_client
 from trainmesh.core.env import DistEnv, launcher_rank, restart_count
 from trainmesh.core.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 from trainmesh.core.logging import configure_logging, get_logger
-from trainmesh.job.resolve import Job, load_config, resolve
 from trainmesh.job.resume import load_run_config
 from trainmesh.job.rundir import SAME_CONFIG_FIX, RunFolder, RunFolderError, config_identity
+from trainmesh.job.spec import Job, load_config, resolve
 from trainmesh.launch.exit_records import record_exit, record_start
 from trainmesh.recipes import Recipe
 from trainmesh.runtime.runtime import Runtime
@@ -48,7 +48,7 @@ def run_worker(
     launch_id: str | None = None,
     env: DistEnv | None = None,
 ) -> TrainResult:
-    """Train `config` (complete, from `trainmesh.job.resolve.load_config`) in this process as one rank of the job
+    """Train `config` (complete, from `trainmesh.job.spec.load_config`) in this process as one rank of the job
     described by the environment, or of the process group that exists already (Ray Train's: adopted, and left
     for its owner to destroy).
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from trainmesh.config.loader import ConfigError
 from trainmesh.config.log import TRACKERS, LogConfig, redact, without_credentials
-from trainmesh.core.env import var_is_set
+from trainmesh.core.env import read_var
 from trainmesh.core.files import read_bytes, write_atomically
 from trainmesh.core.logging import get_logger
 from trainmesh.metrics.sinks import Outcome, Sink, Tracker, scalars
@@ -111,7 +111,7 @@ class WandbSink:
         # Run ids are unique per project: the trainmesh run id alone could meet another machine's run of the same
         # name, so a random suffix; a resume reads the id back from trackers.json.
         wandb_id = resume_id or f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_id)[:48]}-{secrets.token_hex(4)}"
-        where = None if var_is_set("WANDB_DIR") else str(run_dir)  # <run>/wandb/, unless the user chose
+        where = None if read_var("WANDB_DIR") else str(run_dir)  # <run>/wandb/, unless the user chose
         run = wandb.init(
             project=log_config.project,
             name=log_config.run_name or run_id,

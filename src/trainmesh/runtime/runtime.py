@@ -2,7 +2,7 @@
 
     rt = Runtime(precision="bf16-mixed")           # reads RANK/WORLD_SIZE/..., joins the group (or adopts
                                                     # one set up already, e.g. by Ray Train)
-                                                    # (trainmesh's worker: job.runtime(), see job/resolve.py)
+                                                    # (trainmesh's worker: job.runtime(), see job/spec.py)
     model, optimizer = rt.setup(model, optimizer)   # device placement + DDP (or single, dp); optimizer.step()
                                                     # is rt.step(optimizer) from now on (runtime/optimizer.py)
     loader = rt.setup_dataloader(loader)            # each rank reads its own shard

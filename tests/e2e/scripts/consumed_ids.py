@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainmesh.config import Config
-from trainmesh.job.resolve import load_config
+from trainmesh.job.spec import load_config
 from trainmesh.job.worker import run_worker
 from trainmesh.recipes.base import Datasets
 from trainmesh.recipes.gpt import GPTRecipe

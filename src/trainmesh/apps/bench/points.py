@@ -18,7 +18,7 @@ import torch
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.env import read_var, vars_set
 from trainmesh.core.errors import UserError
-from trainmesh.job.resolve import Job, load_config, resolve
+from trainmesh.job.spec import Job, load_config, resolve
 from trainmesh.strategies import resolve_parallelism
 
 MODES = ("weak", "strong")

@@ -15,7 +15,7 @@ from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, estimate_layo
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.core.machine import host_memory
-from trainmesh.job.resolve import Job
+from trainmesh.job.spec import Job
 from trainmesh.recipes.gpt.model import GPTConfig
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from trainmesh.config import Config, ConfigError
-from trainmesh.job.resolve import Job, resolve
+from trainmesh.job.spec import Job, resolve
 
 KINDS = ("ddp", "fsdp", "fsdp-grad-op", "hsdp", "fsdp-offload", "single")
 """Data parallelism: ddp; fsdp full shard (ZeRO-3); fsdp without resharding after forward (ZeRO-2's

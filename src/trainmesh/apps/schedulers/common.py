@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainmesh.config import Config
 from trainmesh.core.errors import UserError
-from trainmesh.job.resolve import check_data, load_config, resolve
+from trainmesh.job.spec import check_data, load_config, resolve
 
 
 class SchedulerError(UserError, ValueError):

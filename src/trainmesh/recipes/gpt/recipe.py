@@ -103,9 +103,7 @@ class GPTRecipe(Recipe):
         model = config.model
         assert isinstance(model, GPTConfig)
         if not model.vocab_size:
-            raise ValueError(
-                "model.vocab_size is 0: complete the config first (trainmesh.job.resolve.load_config does)"
-            )
+            raise ValueError("model.vocab_size is 0: complete the config first (trainmesh.job.spec.load_config does)")
         # One process per node tokenises into the (node-local) cache and reads every shard whole to check it
         # (once a node is enough); the others wait, then take the shards from the cache.
         with runtime.local_main_first():

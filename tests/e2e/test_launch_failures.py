@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from support import descendants, nano_toml
 from trainmesh.core.env import free_port
 from trainmesh.core.errors import EXIT_STALLED, EXIT_USER_ERROR
-from trainmesh.launch.outcome import EXIT_MEANINGS, report_failure
+from trainmesh.launch.outcome import EXIT_MEANINGS, explain_failure
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ def test_only_trainmeshs_workers_exit_codes_carry_its_meanings(worker: bool, cap
     """The report of the same failure (exit codes 2 and 76), from trainmesh's worker and from a script."""
     failures = {0: ProcessFailure(0, 100, EXIT_USER_ERROR, ""), 1: ProcessFailure(1, 101, EXIT_STALLED, "")}
     failures[1].timestamp = failures[0].timestamp + 1  # rank 0 failed first
-    code = report_failure(ChildFailedError("entry", failures), None, worker=worker)
+    code = explain_failure(ChildFailedError("entry", failures), None, worker=worker)
     said = [r.getMessage() for r in caplog.records]
     if worker:
         assert said[0] == f"rank 0 failed first: exit code 2: {EXIT_MEANINGS[EXIT_USER_ERROR]}"

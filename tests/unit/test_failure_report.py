@@ -8,7 +8,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from trainmesh.launch.outcome import first_failure, report_failure
+from trainmesh.launch.outcome import explain_failure, first_failure
 
 
 def failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
@@ -29,7 +29,7 @@ def test_a_rank_the_agent_stopped_is_not_blamed_for_the_crash_that_made_it_stop(
     before the agent notices rank 0 (a failure without an error file is dated when the agent notices it); the agent
     then SIGTERMs rank 1. By timestamp alone, rank 1 "failed first"."""
     failures = {0: failure(0, -signal.SIGSEGV, 1001), 1: failure(1, -signal.SIGTERM, 1000)}
-    assert report_failure(ChildFailedError("entry", failures), None, worker=True) == 1
+    assert explain_failure(ChildFailedError("entry", failures), None, worker=True) == 1
     assert said(caplog)[0] == "rank 0 failed first: killed by signal SIGSEGV (-11)"
     assert said(caplog)[-1] == "rank 1 then: killed by signal SIGTERM (-15)"
 
@@ -58,9 +58,9 @@ def test_otherwise_the_earliest_failure_is_named_first(caplog: pytest.LogCapture
     """Every rank ended by SIGTERM (sent by something else than the agent): their times decide, as between ranks
     that failed on their own."""
     failures = {0: failure(0, -signal.SIGTERM, 1001), 1: failure(1, -signal.SIGTERM, 1000)}
-    report_failure(ChildFailedError("entry", failures), None, worker=False)
+    explain_failure(ChildFailedError("entry", failures), None, worker=False)
     assert said(caplog)[0] == "rank 1 failed first: killed by signal SIGTERM (-15)"
     caplog.clear()
     failures = {0: failure(0, 1, 1001), 1: failure(1, 1, 1000)}
-    report_failure(ChildFailedError("entry", failures), None, worker=False)
+    explain_failure(ChildFailedError("entry", failures), None, worker=False)
     assert said(caplog)[0] == "rank 1 failed first: exit code 1"

@@ -26,7 +26,7 @@ from trainmesh.launch import (
     torchrun_argv,
 )
 from trainmesh.launch.exit_records import ExitRecord, read_records, record_exit, record_start, records_folder
-from trainmesh.launch.outcome import report_stop
+from trainmesh.launch.outcome import explain_stop
 from trainmesh.launch.rank_logs import NO_LOG_DIR, LogSettings, RankLogs, claim_launch_folder, tail
 
 
@@ -241,7 +241,7 @@ def test_a_stop_is_claimed_only_when_every_rank_recorded_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     hint = "trainmesh run gpt --resume --run-id r1"
-    assert report_stop(sig, records, LaunchOptions(nproc_per_node="2"), hint) == code
+    assert explain_stop(sig, records, LaunchOptions(nproc_per_node="2"), hint) == code
     claimed = f"every rank stopped at a step boundary with a checkpoint. Continue with: {hint}"
     assert (claimed in caplog.text) == (bool(records) and not not_stopped and code in (75, 130))
     for text in not_stopped:

@@ -98,7 +98,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
             )
             return _first_failure(codes.values()) or 1
         rows = _rows(points, codes, loads, bench_dir, args.warmup, args.steps)
-        _report(rows, points[0].job, machine, bench_dir, args, counts, low)
+        _write_report(rows, points[0].job, machine, bench_dir, args, counts, low)
     failed = [r for r in rows if r.measured is None]
     for row in failed:
         log.error("%s scaling, %d process(es): %s; run folder %s", row.mode, row.processes, row.error, row.run_dir)
@@ -221,7 +221,7 @@ def _rows(
     return rows
 
 
-def _report(
+def _write_report(
     rows: list[Row],
     base: Job,
     machine: Machine,

@@ -76,7 +76,7 @@ def run_worker(
         runtime.on_main(lambda: folder.record_new_run(job.config))  # a new run's record, from its start
         result = _train(job, folder, runtime)
         if runtime.is_main_process:
-            _report(result, folder.path, job.config.run.recipe, launch_id is not None)
+            _log_result(result, folder.path, job.config.run.recipe, launch_id is not None)
         if before_teardown is not None:
             before_teardown(result)
     except BaseException as e:
@@ -152,7 +152,7 @@ def _train(job: Job, folder: RunFolder, runtime: Runtime) -> TrainResult:
         return train(job.config, job.batch, job.recipe, runtime, folder.path, hooks)
 
 
-def _report(result: TrainResult, run_dir: Path, recipe: str, by_trainmesh_run: bool) -> None:
+def _log_result(result: TrainResult, run_dir: Path, recipe: str, by_trainmesh_run: bool) -> None:
     if result.preempted:
         log.warning(
             "stopped at step %d with checkpoint %s (exit code %d)", result.steps, result.checkpoint, result.exit_code

@@ -27,7 +27,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.core.orphans import LAUNCHER_PID
 from trainmesh.launch.exit_records import read_records, records_folder
 from trainmesh.launch.options import LaunchError, LaunchOptions, torchrun_argv
-from trainmesh.launch.outcome import explain_rendezvous_failure, report_failure, report_stop
+from trainmesh.launch.outcome import explain_failure, explain_rendezvous_failure, explain_stop
 from trainmesh.launch.rank_logs import PREFIX, RankLogs, claim_launch_folder
 
 __all__ = ["NO_SHARED_STORE", "LaunchError", "LaunchOptions", "launch", "torchrun_argv"]
@@ -66,7 +66,7 @@ def launch(
             try:
                 _run_agent(argv, logs)
             except SignalException as e:  # the agent forwarded it to the workers and waited for them
-                return report_stop(
+                return explain_stop(
                     signal.Signals(e.sigval), read_records(records) if run_id else None, opts, resume_hint
                 )
     except SignalException as e:  # another, while the first was reported (torch's handlers are still in place)
@@ -76,7 +76,7 @@ def launch(
         log.error("%s", explain_rendezvous_failure(e, opts))
         return 1
     except ChildFailedError as e:
-        return report_failure(e, logs, worker=run_id is not None)
+        return explain_failure(e, logs, worker=run_id is not None)
     return 0
 
 

@@ -40,7 +40,7 @@ STOP_CODES = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 """What a worker exits with when it stopped at a step boundary, with a checkpoint, on that signal."""
 
 
-def report_stop(
+def explain_stop(
     sig: signal.Signals, records: dict[int, ExitRecord] | None, opts: LaunchOptions, resume_hint: str | None
 ) -> int:
     """The exit code after the agent was signalled and shut its workers down. `records`: by local rank, how
@@ -83,7 +83,7 @@ def report_stop(
     return 128 + int(sig)  # not the stop code: a scheduler requeues on that one
 
 
-def report_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool) -> int:
+def explain_failure(error: ChildFailedError, logs: RankLogs | None, worker: bool) -> int:
     """Name the rank that failed first (`first_failure`: the root cause; the others often follow from it), its error
     and its log file, then the ranks that followed; the exit code for the CLI. `worker`: the ranks ran trainmesh's
     worker, whose exit codes mean what EXIT_MEANINGS says; a script's are its own. So the CLI exits 2 (fix the

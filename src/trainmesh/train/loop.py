@@ -205,7 +205,7 @@ class _Loop:
                     result.reduce,
                 )
         except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
-            self.report(window.abort(e.reduce))
+            self.write_window(window.abort(e.reduce))
             raise
         if not result.stepped:
             s.runtime.strategy.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
@@ -213,7 +213,9 @@ class _Loop:
         s.state.samples_seen += s.split.global_batch
         s.hooks.step_done(step)
         with s.profiler.phase("log"):
-            self.report(window.add(result.reduce, result.loss, result.targets, result.stepped))  # the previous window's
+            self.write_window(
+                window.add(result.reduce, result.loss, result.targets, result.stepped)
+            )  # the previous window's
             if step % s.config.run.log_every == 0 or step == tcfg.max_steps or result.stop_votes:
                 window.close(step, result.lr, result.grad_norm)
         s.profiler.step()
@@ -232,7 +234,7 @@ class _Loop:
         s.hooks.progress(step)
         self.window.pause(time.perf_counter() - pause_start)
 
-    def report(self, record: Record | None) -> None:
+    def write_window(self, record: Record | None) -> None:
         """A complete metrics window: to rank 0's metrics files and progress bar."""
         if record is not None:
             self.train_loss = record.metrics["loss"]
@@ -241,7 +243,9 @@ class _Loop:
             self.bar.update(record.step, self.train_loss, record.metrics["lr"], record.metrics.get("tokens_per_s"))
 
     def save(self) -> None:
-        self.report(self.window.flush())  # the records up to a checkpoint are written before it: a resume continues
+        self.write_window(
+            self.window.flush()
+        )  # the records up to a checkpoint are written before it: a resume continues
         with self.s.profiler.pause("checkpoint"):
             self.checkpoint = self.s.save()
 
@@ -249,7 +253,7 @@ class _Loop:
         """After the last step: the last window's record, and when training ran to the end the final evaluation,
         checkpoint and sample; then every file is closed."""
         s, state, rt = self.s, self.s.state, self.s.runtime
-        self.report(self.window.flush())  # the last window: its final step's loss, which no further step carries
+        self.write_window(self.window.flush())  # the last window: its final step's loss, which no further step carries
         self.bar.close()
         if rt.is_main_process:
             log.info("where the steps' time went on rank 0: %s", describe(self.window.run_totals_s))

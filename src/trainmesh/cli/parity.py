@@ -1,17 +1,8 @@
-"""`trainmesh check <recipe> --config F --parity [--parity-steps K] [--parity-a '...'] [--parity-b '...']`.
+"""`trainmesh check <recipe> --config F --parity [--parity-steps K] [--parity-a '...'] [--parity-b '...']`: train
+A, B and B again for K steps, each a run of its own, and compare them step by step against the spread of B and B
+again.
 
-1. Resolve the two sides before anything is written: without --parity-a/-b, the launch's N processes (B) against
-   one process (A) on the same global batch (more accumulation steps on one); with them, the common config plus
-   each side's overrides, both at the launch's process count. Every side gets the parity settings: K steps,
-   one record per step, no evaluation between steps, no checkpoint, no sample.
-2. Claim the parity folder, `<run.out_dir>/<recipe>-parity-<date>-<time>/` (or --run-id).
-3. Launch A, B and B again, each a `trainmesh run` into its own run folder in the parity folder
-   (job/launcher.py launch_into), with the parity probe on (train/parity.py): same data order (the sampler does not
-   depend on the world size) and same initial weights (the run seed). B again adds rounding-sized noise to its
-   gradients at every step: how far it moves from B is the spread the tolerances come from (compare.py).
-4. Compare (compare.py), print the table and the first divergence, write parity.json. Exit 0 when every
-   quantity is within its tolerance, 1 when one is not, 2 for bad input; a run that fails ends the check
-   with its exit code.
+Details: docs/internals.md#cliparitypy
 """
 
 from __future__ import annotations
@@ -230,7 +221,7 @@ def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def cmd_parity(args: argparse.Namespace, overrides: list[str]) -> int:
-    """The parity check (see the module docstring); 0 equal, 1 diverged, 2 bad input, else a failed run's code."""
+    """The parity check (docs/internals.md#cliparitypy); 0 equal, 1 diverged, 2 bad input, else a failed run's code."""
     check_parity_flags(args)
     opts = dataclasses.replace(launch_options(args), max_restarts=0)  # a restarted side would start its record over
     a, b = plan_sides(args, overrides, opts)

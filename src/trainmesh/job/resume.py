@@ -1,13 +1,7 @@
 """What a resume starts from: the run's own recorded config with the command line on top, checked before launch
 against what the run's newest checkpoint holds.
 
-    trainmesh run gpt --resume --run-id shk -- --train.max_steps=100
-
-resolves `runs/shk/config.toml` (or, when that file is missing or unreadable, the newest checkpoint's record) <
-the --config file, when one is given < the overrides: the run keeps its tokenizer, data and model, and only the
-keys the command sets change (each one is reported). A change the checkpoint cannot load (a key its recipe pins:
-the model's shape, the tokenizer, the vocabulary) is refused here, naming each key with both values, before any
-process starts or any file is written. `--auto-resume` does the same once the run has a recorded config.
+Details: docs/internals.md#jobresumepy
 """
 
 from __future__ import annotations

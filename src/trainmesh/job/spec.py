@@ -1,16 +1,7 @@
-"""Resolve once: what the user asked for (a config) and where it runs (a world size) become one frozen `Job`.
+"""Resolve once: what the user asked for (a config) and where it runs (a world size) become one frozen `Job`
+(`resolve(config, world_size)`), checked before any process starts or any file is written; downstream only reads it.
 
-    config = load_config("configs/gpt-tiny.toml", ["--optim.lr=3e-4"], "gpt")   # defaults < file < overrides
-    job = resolve(config, world_size=2)      # every check, BEFORE any process starts or any file is written
-    job.layout                               # ("ddp", ParallelDims(dp_replicate=2)): strategy and mesh degrees
-    job.batch.describe()                     # global batch = micro-batch × accumulation × data-parallel ranks
-    runtime = job.runtime()                  # in each worker: the Runtime of exactly this layout
-
-`trainmesh check` prints the Job of every world size a launch may run at; `trainmesh run` resolves it, names the
-run and writes its config; each worker resolves the written config at its real world size (the same Job, as
-the config is already complete) and hands it to `Runtime` and the loop, which only read it. The config
-sections are frozen dataclasses: nothing downstream can change what was resolved, and `config.toml` and
-every checkpoint record the same `job.config`.
+Details: docs/internals.md#jobspecpy
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Where each step's time goes: data, forward, sync, backward, optimizer and other, per rank.
+"""Where each step's time goes, per rank: data, forward, sync, backward, comm, optimizer and other, measured without
+making the hot path wait for the device, and brought to rank 0 to show the slowest rank and the spread.
 
-The step's phases mark where each begins (`clock.mark("forward")`, through metrics/profiler.py); a phase
-lasts until the next mark. On the CPU the clock reads host timers. On CUDA it records CUDA events on the
-current stream and measures between them only when the metrics window closes, so the hot path never waits
-for the device; the figures are then GPU time between the marks, in which the host's waits (for data, say)
-show as the gaps they leave on the device.
-
-    data       fetching this rank's micro-batches (a loader that keeps up costs almost nothing here)
-    forward    the forward passes (under pipeline parallelism: the whole schedule, forward and backward)
-    sync       waiting for the step's all-reduce of the target count, issued before the first forward:
-               the time this rank waits for its slowest peer to have read its batch
-    backward   the backward passes (with DDP, up to the moment its last gradient bucket is handed to the
-               network; elsewhere, including any wait for gradient communication)
-    comm       ddp: the exposed gradient communication, waited for after the last gradient was ready
-               (the part of DDP's all-reduce that backward could not hide)
-    optimizer  unscale, clip, optimizer step, zero_grad
-    other      everything else in the loop: logging, hooks
-    eval, checkpoint   reported separately, as totals per window (not training-step time)
-
-Every rank measures its own; `MetricsWindow` brings them to rank 0 on the all-reduce each step makes
-anyway, to report the slowest rank and the spread. A rank's `compute` time leaves out sync, backward and
-comm, where data parallelism makes every rank wait for the slowest: a straggler shows in it.
+Details: docs/internals.md#metricsbreakdownpy
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """`fp8-mixed`: bf16 autocast, with the model's linear layers computing their matmuls in float8 through torchao.
+Tied layers, and those whose sizes are not multiples of 16, stay in bf16; checkpoints move freely between
+precisions.
 
-As torchtitan does it: `torchao.float8.convert_to_float8_training` swaps each chosen `nn.Linear` for a
-`Float8Linear` on the whole model, before tensor parallelism, activation checkpointing, torch.compile and FSDP
-see it (Runtime.setup converts, then the strategy wraps). A Float8Linear keeps its `weight` and `bias` parameters
-(the same tensors, in fp32: the master weights) and casts the matmul's inputs to float8 with dynamic scales in
-forward and backward (e4m3 for inputs and weights; e5m2 for gradients under tensorwise), so state-dict keys are
-unchanged and checkpoints move freely between fp8-mixed and the other precisions.
-
-Kept in high precision (bf16 under autocast), by rules that need nothing from the recipe:
-
-- a Linear whose weight or bias is shared with another module: a tied output head (the GPT's `lm_head`, which
-  is `wte`'s matrix). torchtitan's float8 configs leave the output head out too (filter_fqns=["output"]); here it
-  has to be, as float8 all-gather (float8.fsdp_all_gather) wraps a converted weight in a new Parameter, which
-  would untie it;
-- a Linear whose in or out features are not multiples of 16, which float8 matmuls (torch._scaled_mm) need.
-
-Everything else (attention's softmax, LayerNorm, the loss) runs as under bf16-mixed.
-
-With float8.fsdp_all_gather, FSDP all-gathers the converted weights in float8, and after each optimizer step
-`precompute_float8_dynamic_scale_for_fsdp` computes all their scales in one all-reduce (instead of one per weight
-at gather time), as torchtitan's float8 converter does after every step.
+Details: docs/internals.md#precisionfp8py
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The optimizer `Runtime.setup` returns: the user's optimizer, whose `step()` is the precision's step.
+"""The optimizer `Runtime.setup` returns: the user's optimizer, whose `step()` is the precision's step. A thin
+subclass wrapper with no state of its own, so `isinstance` checks, LR schedulers and DCP accept it.
 
-Under 16-mixed the gradients are scaled, and only the precision's step unscales them and skips a step whose
-gradients overflowed: a plain `optimizer.step()` on the user's own optimizer would apply the inf and turn the
-weights into NaN. So, as Lightning Fabric and Accelerate do, `setup` hands back a thin wrapper: an instance of
-a subclass of the optimizer's own class made for it (so `isinstance` checks, LR schedulers and
-torch.distributed.checkpoint accept it) that holds no optimizer state of its own. Every attribute its class
-does not define (param_groups, state, defaults, hooks) is read from and set on the wrapped optimizer, and
-state_dict, load_state_dict, zero_grad and add_param_group are the wrapped optimizer's; only `step` differs.
-The wrapped optimizer is stepped by the precision, so an LR scheduler built on it before `setup` still sees
-its steps.
+Details: docs/internals.md#runtimeoptimizerpy
 """
 
 from __future__ import annotations

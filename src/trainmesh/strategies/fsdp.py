@@ -1,24 +1,8 @@
-"""`fsdp`: fully sharded data parallel (FSDP2, `fully_shard`) — ZeRO-3 style, or ZeRO-2 style, or hybrid.
+"""`fsdp`: fully sharded data parallel (FSDP2, `fully_shard`) — ZeRO-3 style, or ZeRO-2 style, or hybrid. Each
+block, then the root, is one unit whose parameters, gradients and optimizer state are sharded over the `dp_shard`
+ranks.
 
-Each block (the recipe's `blocks`, by default every module inside an `nn.ModuleList`) and then the
-root module become one FSDP unit: parameters, gradients and optimizer state are sharded over the
-`dp_shard` ranks, so each holds 1/dp_shard of them. A unit's parameters are all-gathered just before
-its forward (and again before its backward) and its gradients reduce-scattered right after its
-backward, overlapping the neighbouring units' compute.
-
-    reshard_after_forward = true    free the gathered parameters after forward (full shard, ZeRO-3)
-                          = false   keep them until backward (shard-grad-op, ZeRO-2: less traffic)
-    dp_replicate > 1                hybrid: shard within groups of dp_shard ranks, replicate across
-                                    groups (all-reduce between replicas)
-    cpu_offload = true              parameters, gradients and optimizer state live in CPU memory;
-                                    the optimizer steps on the CPU
-    prefetch = k                    all-gather the next k blocks' parameters ahead (forward and backward)
-
-The order of the block transforms is fixed: activation checkpointing, then torch.compile, then
-sharding (each block, then the root), as torchtitan does; see strategies/blocks.py. Mixed precision
-comes from the Precision seam: parameters are gathered in its compute dtype and gradients reduced in
-fp32. Gradient accumulation without synchronisation (`no_sync`) keeps unsharded gradients until the
-last micro-step. Gradient clipping computes the norm over all shards.
+Details: docs/internals.md#strategiesfsdppy
 """
 
 from __future__ import annotations

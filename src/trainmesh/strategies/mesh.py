@@ -1,18 +1,7 @@
-"""The device mesh: how the world's ranks split into named parallel dimensions.
+"""The device mesh: how the world's ranks split into named parallel dimensions, pp × dp_replicate × dp_shard × tp =
+world size, row-major with tp innermost, so tensor-parallel peers are consecutive ranks.
 
-    pp × dp_replicate × dp_shard × tp = world size
-
-    pp            pipeline stages: each holds a slice of the layers, activations flow between them
-    dp_replicate  data-parallel replicas (ddp: all of data parallelism; fsdp: the hybrid replicas)
-    dp_shard      fsdp: ranks one replica's parameters, gradients and optimizer state are sharded over
-    tp            tensor parallel: each holds a slice of every weight matrix (heads, MLP columns)
-
-Rank r's coordinates are row-major over (pp, dp_replicate, dp_shard, tp): tp is the innermost
-dimension, so tensor-parallel peers are consecutive ranks (one node: their per-layer all-reduces stay
-on the fast intra-node links), then the shard groups, then the replicas; pipeline stages, which only
-pass activations to their neighbours, are the outermost. One degree may be -1, meaning "the rest of
-the world". Data sharding follows the data-parallel dimensions only: pipeline and tensor-parallel
-peers read the same batch.
+Details: docs/internals.md#strategiesmeshpy
 """
 
 from __future__ import annotations

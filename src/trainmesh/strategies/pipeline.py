@@ -1,27 +1,8 @@
-"""Pipeline parallelism (`parallel.pp > 1`) on `torch.distributed.pipelining`.
+"""Pipeline parallelism (`parallel.pp > 1`) on `torch.distributed.pipelining`: the recipe's stages on their ranks,
+run on one of its schedules (gpipe, 1f1b, interleaved, zero-bubble, dualpipev), each stage wrapped by the
+data-parallel strategy.
 
-The recipe cuts the model into stages (`ParallelPlan.pipeline_stage`; GPT: embeddings on the first,
-blocks spread evenly, final norm and head on the last; ResNet: stem, residual blocks, head). Each rank
-of a pipeline holds one stage, or several ("virtual" stages, for the interleaved and zero-bubble
-schedules), and passes activations to its neighbours. Every loop micro-batch is cut again into
-`parallel.pipeline.microbatches` pieces that flow through the stages on the chosen schedule:
-
-    gpipe                    all forwards, then all backwards           bubble (p-1)/(m+p-1)
-    1f1b                     one forward, one backward in steady state  same bubble, less memory
-    interleaved_1f1b         v stages per rank, round-robin             bubble (p-1)/(v·m+p-1)
-    looped_bfs               v stages per rank, breadth-first
-    interleaved_zero_bubble  interleaved, backward split into input and weight gradients
-    zbv_zero_bubble          two stages per rank in a V, zero-bubble
-    dualpipev                two stages per rank in a V, forward and backward of two micro-batches overlapped
-
-Each stage is wrapped by the data-parallel strategy (DDP or FSDP across pipeline replicas) after
-tensor parallelism and the block transforms: `setup_module` applies the same order to each stage.
-The loss is computed on the last stage: the loss function is the recipe's summed loss times the
-loop's scale, so gradients are those of the global mean (the schedule's own averaging is off).
-Parameters keep their names (the stages share the model's submodules), so checkpoints move freely
-between pipeline and any other strategy. A weight tied between the first and the last stage (GPT's
-embedding and head) lives on two ranks: its gradients are summed between them before clipping, so
-both copies take the same step.
+Details: docs/internals.md#strategiespipelinepy
 """
 
 from __future__ import annotations

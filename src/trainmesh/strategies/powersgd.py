@@ -1,17 +1,7 @@
-"""PowerSGD gradient compression for DDP (torch's `powerSGD_hook`), with a state that survives a resume.
+"""PowerSGD gradient compression for DDP (torch's `powerSGD_hook`), with a state that survives a resume: error
+feedback and warm start are kept per parameter, as a resumed DDP does not have the same buckets.
 
-PowerSGD (Vogels et al., 2019) all-reduces a rank-r approximation P·Qᵀ of each gradient matrix instead of
-the matrix, and keeps on each rank the error that the approximation made (error feedback) and the last Q
-(warm start). Both are per rank and carry over from step to step, so an exact resume must restore them.
-
-torch keys that state by DDP bucket index, and a resumed DDP does not have the same buckets: it starts
-from its initial bucket assignment and rebuilds it after the first step (by the order in which gradients
-became ready). So this module keeps the state *per parameter* whenever buckets may change: it is cut
-into per-parameter pieces when saved and when DDP rebuilds its buckets, and reassembled for whatever
-bucket the parameter is in next. Where each parameter's pieces lie in torch's flat per-bucket tensors
-follows from `powerSGD_hook`'s documented layout: the error covers the bucket's gradients in order; the
-Qs cover the gradients it compresses (a matrix of n rows and m columns, whose rank-r' = min(n, m, r)
-approximation is smaller by more than `min_compression_rate`), grouped by shape in first-seen order.
+Details: docs/internals.md#strategiespowersgdpy
 """
 
 from __future__ import annotations

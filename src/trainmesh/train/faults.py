@@ -1,22 +1,9 @@
-"""Fault injection for tests — the one documented hook.
+"""Fault injection for tests — the one documented hook. `TRAINMESH_FAULT` names rank, step, kind and phase (several
+faults separated by ';'); each fires once per run directory:
 
-    TRAINMESH_FAULT="rank=1,step=37,kind=sigkill"                    one fault
-    TRAINMESH_FAULT="rank=1,step=5,kind=exception;rank=0,step=9,kind=exit"   several, separated by ';'
-    TRAINMESH_FAULT="rank=0,step=4,kind=sigkill,phase=checkpoint"   during the save of step 4's checkpoint
+    TRAINMESH_FAULT="rank=1,step=37,kind=sigkill"
 
-kind: sigkill | exception | exit (os._exit(1)) | segfault (SIGSEGV) | sigstop | hang (a sleep that holds
-      the GIL, so no Python thread of the process runs) | sleep (a sleep that releases the GIL, like a
-      stuck read) | diskfull (OSError ENOSPC, what a write to a full disk raises; use phase=checkpoint)
-      | nan (this rank's loss becomes NaN in optimizer step `step`, counted from 1)
-phase: step (default: right after optimizer step `step` completes) | data (while fetching the batch of
-       optimizer step `step`, counted from 1: a stuck data loader) | checkpoint (after this rank's
-       checkpoint shards are written, before the checkpoint is committed) | commit (rank 0, after the
-       commit rename, before `checkpoints/latest` is updated: e.g. kind=diskfull)
-
-Each fault fires once per run directory: the injecting rank first creates `<run>/.faults/<n>`, so the
-attempt that torchrun restarts after it does not inject it again. The worker parses the variable once
-(`FaultSchedule.from_environ`) and passes the plan down; unset, the plan is empty and does nothing. Code that
-calls `train.loop.train` or builds a `Checkpointer` itself (the benchmarks) passes no plan: no faults.
+Details: docs/internals.md#trainfaultspy
 """
 
 from __future__ import annotations

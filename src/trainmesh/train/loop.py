@@ -1,21 +1,8 @@
-"""The training loop. One optimizer step (`train_step`) is:
+"""The training loop: `train_step` is one optimizer step (learning rate, batch, the all-reduce of the target count,
+forward and backward, optimizer step); `train` runs the steps and logs, evaluates, checkpoints and stops on
+schedule or on a signal.
 
-    1. set the step's learning rate (a pure function of the step: train/optim.py)
-    2. read this rank's `accum_steps` micro-batches of the global batch (data/sharding.py)
-    3. all-reduce how many targets the whole global batch holds (the loss's true denominator), together with
-       the previous step's loss for the log (train/window.py) and any stop request
-    4. forward + backward each micro-batch; only the last one synchronises gradients (no_sync; a
-       pipeline synchronises its stages' gradients at the end of each pass of its schedule)
-    5. unscale (fp16), clip the global gradient norm, step (skipped together on overflow), zero grads
-
-and around it `train` logs every `run.log_every` steps (train/window.py), evaluates and checkpoints on
-schedule, and stops with a checkpoint when a rank receives SIGTERM or Ctrl-C. Setting up the model, data
-and optimizer is train/setup.py; what watches the run from outside (signals, stall watchdog, test faults,
-the parity probe) is one `StepHooks` object (train/hooks.py), and the step's timing is the profiler's
-phases (metrics/profiler.py).
-
-Everything strategy- or precision-specific happens behind `runtime` (the two seams), so this file has
-no branch on either.
+Details: docs/internals.md#trainlooppy
 """
 
 from __future__ import annotations
@@ -106,8 +93,8 @@ def train(
 
 
 def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tensor) -> StepResult:
-    """Optimizer step `step` (counted from 1): steps 1-5 of the module docstring. `carry`: this rank's loss of
-    earlier steps (and phase times) for the metrics window, reduced in the step's all-reduce."""
+    """Optimizer step `step` (counted from 1): steps 1-5 of docs/internals.md#trainlooppy. `carry`: this
+    rank's loss of earlier steps (and phase times) for the metrics window, reduced in the step's all-reduce."""
     rt, hooks, timer, tcfg = s.runtime, s.hooks, s.profiler, s.config.train
     lr = lr_at(step - 1, s.config.optim, tcfg.max_steps)
     set_lr(s.optimizer, lr)

@@ -1,26 +1,7 @@
-"""The parity probe: per-step fingerprints of a run's loss, gradients and weights, for `trainmesh check --parity`.
+"""The parity probe: per-step fingerprints of a run's loss, gradients and weights, for `trainmesh check --parity`;
+off unless TRAINMESH_PARITY_RECORD names a file.
 
-Off unless the environment names a file in TRAINMESH_PARITY_RECORD (set by the parity command for each run it
-launches; the worker reads it once and passes the probe in RunHooks, so a normal run pays one None check per
-step). When on, the loop calls it through StepHooks (train/hooks.py) at three points of every step, on every
-rank, in the same order (the probe's collectives must line up):
-
-    before_step   the first time: the initial weights (step 0), and forward pre-hooks that note the order in
-                  which the forward first uses each parameter (removed after that forward)
-    gradients     after Runtime.clip_grad_norm, where every strategy has finished synchronising: DDP's
-                  all-reduce, FSDP's reduce-scatter, the sum of a weight tied across pipeline stages, the fp16
-                  unscale. The clipping factor is divided back out of the fingerprints: they are the pre-clip
-                  gradients, so that one wrong gradient is not smeared over every parameter by the global norm.
-                  In the run that measures the spread (TRAINMESH_PARITY_NUDGE=1), rounding-sized noise is added
-                  to the gradients first (`nudge`)
-    after_step    the weights after the optimizer step and the step's mean loss over the global batch; rank 0
-                  appends the step's line to the file
-
-Each parameter is fingerprinted whole (DTensor.full_tensor() for fsdp and tensor-parallel shards; every rank of
-a pipeline stage its own stage's), under the whole model's name (a tied weight once), in float64: its sum, L1
-and L2 norms and a sum weighted by a fixed pseudo-random value per position (which changes when elements trade
-places, where the other three do not). Rank 0 keeps the first holder's fingerprint and notes any other rank
-whose copy differs (replicas that drifted apart).
+Details: docs/internals.md#trainparitypy
 """
 
 from __future__ import annotations
@@ -104,7 +85,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ParityProbe:
-    """Records one run for the parity check (see the module docstring); build it with `from_environ`."""
+    """Records one run for the parity check (docs/internals.md#trainparitypy); build it with `from_environ`."""
 
     def __init__(self, path: Path, nudge: bool = False) -> None:
         self.path = path
@@ -167,7 +148,7 @@ class ParityProbe:
     def gradients(
         self, step: int, runtime: Runtime, model: nn.Module, grad_norm: torch.Tensor, max_norm: float
     ) -> None:
-        """After Runtime.clip_grad_norm (see the module docstring); `grad_norm` is its pre-clip norm."""
+        """After Runtime.clip_grad_norm (docs/internals.md#trainparitypy); `grad_norm` is its pre-clip norm."""
         for hook in self._hooks or []:  # the first forward is over: its order is known
             hook.remove()
         if self.nudge:

@@ -1,15 +1,7 @@
-"""Graceful stops: SIGTERM (preemption) and SIGINT (Ctrl-C) ask the job to stop at the next step
-boundary, with a checkpoint.
+"""Graceful stops: SIGTERM (preemption) and SIGINT (Ctrl-C) ask the job to stop at the next step boundary, with a
+checkpoint; all ranks learn of it at the same step, and --resume continues from there.
 
-Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and allow some seconds before SIGKILL. Ctrl-C
-in a terminal sends SIGINT to the foreground process: a worker run by plain `python`, or the launcher,
-since torchrun starts its workers in sessions of their own; its agent forwards either signal to the
-workers and waits for them (--shutdown-timeout, default 30 s) before it kills them. The handler only
-records the request; the loop adds it to the all-reduce every step already makes (the target count), so
-all ranks learn of it at the same step, agree on which signal it was, save a checkpoint together and exit
-(`EXIT_PREEMPTED` for SIGTERM, `EXIT_INTERRUPTED` for Ctrl-C). Relaunching with --resume continues
-exactly where the job stopped. In a process that receives Ctrl-C itself, a second one a moment after the
-first stops it at once, without saving.
+Details: docs/internals.md#trainpreemptionpy
 """
 
 from __future__ import annotations

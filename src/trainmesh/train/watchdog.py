@@ -1,22 +1,7 @@
-"""Stall watchdog: when no training step completes within `dist.stall_timeout_s`, explain the hang and
-end the attempt, so that torchrun can restart the group instead of burning hours.
+"""Stall watchdog: when no training step completes within `dist.stall_timeout_s`, write every rank's stacks and a
+report naming the silent ranks, and end the attempt, so that torchrun can restart the group instead of burning hours.
 
-Each rank runs one daemon thread. The loop calls `beat(step)` after every step (and around evaluation
-and checkpoints), which only records two numbers. Every `interval` seconds the thread:
-  - publishes a heartbeat to the rendezvous store: last step, host, pid, and where the main thread is
-    right now (`sys._current_frames`), so that peers can tell who is stuck, and where;
-  - keeps faulthandler's timer armed to fire `grace` seconds after the stall timeout. That timer is a C
-    thread that needs no GIL: a rank stuck in a call that holds the GIL, where no Python thread can run,
-    still writes its stack and exits.
-When the thread sees no beat for `timeout_s`, it writes every thread's stack to
-`<run>/stalls/<date>-<time>-attempt_<n>/rank_<r>.txt` (one folder per attempt, so a later launch never
-overwrites an earlier one's report); the first rank there writes `report.txt`, naming the ranks that did
-not arrive, and SIGKILLs the silent ones on its own host (a stopped process, or one holding the GIL,
-would otherwise sit out torchrun's 30 s grace for SIGTERM), after checking from /proc that the pid read
-from the store is a worker of this same agent and not a process that reused its number; and the process
-exits with `EXIT_STALLED`.
-torchrun then stops the remaining workers and restarts the group, which resumes from the newest
-checkpoint.
+Details: docs/internals.md#trainwatchdogpy
 """
 
 from __future__ import annotations

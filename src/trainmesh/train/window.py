@@ -1,12 +1,7 @@
-"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, where the
-steps' time went on every rank: metrics/breakdown.py, and rank 0's host and device figures: metrics/monitor.py).
+"""The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, the step
+breakdown per rank, host and device figures), with no collective of its own: it rides on the steps' all-reduces.
 
-Logging costs no collective of its own. The loss stays on the device, and each step's loss rides on the
-next step's all-reduce, the one that counts that step's targets anyway (`Runtime.all_reduce_async`'s
-`carry`); so do each rank's phase times, in the rank's own slot of the carried vector. A window that closes
-at step k is therefore complete one step later, when step k+1's all-reduce has brought in step k's loss:
-its record is written then (at the end of training and before a checkpoint, an all-reduce of its own
-brings the last loss in). Time spent evaluating or checkpointing is left out of the window's throughput.
+Details: docs/internals.md#trainwindowpy
 """
 
 from __future__ import annotations

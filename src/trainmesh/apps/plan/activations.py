@@ -1,39 +1,8 @@
-"""Activation memory of trainmesh's GPT (recipes/gpt/model.py) per rank, in bytes: what autograd holds from the
-forward of one micro-batch to its backward, by precision, activation checkpointing, tensor parallelism and
-attention kernel. tests/unit/test_plan_activations.py and tests/distributed/test_plan_activations_tp.py measure it
-on the real model (each storage once, the way benchmarks/memory.py counts) and hold it to the byte.
+"""Activation memory of trainmesh's GPT per rank, in bytes: what autograd holds from a micro-batch's forward to its
+backward, by precision, activation checkpointing, tensor parallelism and attention kernel, held to the byte by tests
+on the real model.
 
-Per token (T = s·b of them), with p and c the precision's parameter and compute element sizes (memory.py), h the
-width, a the heads, V the vocabulary and t the tensor-parallel degree; q, k, v and SDPA run on this rank's a/t heads:
-
-- a block, SDPA (flash or efficient kernel): 2p·h (the two LayerNorms' inputs, the residual stream) + 4p (their mean
-  and rstd) + c·h (the q/k/v projection's input) + 3c·h/t (its output, which SDPA saves as q, k, v) + c·h/t (SDPA's
-  output, also the output projection's input) + 4a/t (SDPA's fp32 logsumexp) + c·h (the MLP's input) + 8c·h/t (the
-  GELU's input and output). Unsharded: 64h + 16 + 4a (32-true), 36h + 16 + 4a (the mixed ones), 32h + 8 + 4a
-  (bf16-true).
-- a block, math attention (`attention="math"`, no fused kernel): the q/k/v output is not kept; the math path keeps
-  fp32 copies of q·√scale, k·√scale and v (12h/t: it computes in fp32 even from bf16/fp16, unless
-  torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp is set), the fp32 softmax (4a·s/t, the s×s matrix) and
-  its output in the compute dtype (c·h/t), and no logsumexp.
-- under a mixed precision (p ≠ c), autocast's c-byte copies of the block's four matmul weights, 12h²/t elements,
-  which autograd keeps too (the weights themselves belong to the model states and are not counted).
-- a checkpointed block (torch.utils.checkpoint, non-reentrant) keeps only its input, p·h per token (fp32 under the
-  mixed precisions: the residual stream). Its backward first recomputes its forward and holds what that saves,
-  one block at a time: the transient `recompute_peak`. Under a mixed precision autocast's cache also holds the
-  checkpointed blocks' weight copies until the autocast region ends, after the loss: in the forward's own peak, not
-  in `total`, which is what backward starts from.
-- outside the blocks: the loss's fp32 log-softmax (4V: logits are gathered whole under TP, and summed_lm_loss
-  takes the cross-entropy of fp32 logits), ln_f's input (p·h) and statistics (2p), lm_head's input (c·h), int64 token
-  ids, targets (T each) and positions (s), the loss's fp32 total weight (4 bytes), and under a mixed precision the
-  copy of the tied lm_head weight (V·h/t elements of c bytes).
-
-Measured on the CPU (torch 2.13), not on CUDA, whose kernels save a little otherwise (from their source): fp32 SDPA
-runs the memory-efficient kernel, whose logsumexp may be padded to a multiple of 32 positions (at most 124·b·a/t
-bytes more per block); LayerNorm keeps bf16-true's statistics in fp32 (8 bytes more per token per block, 4
-outside); the fused kernels keep an RNG seed and offset (a few bytes per block). Dropout is taken as 0 (trainmesh's
-default); above 0 its masks add to this. Under fsdp with a mixed precision this model does not apply: FSDP gathers
-every parameter in the compute dtype (LayerNorms and embeddings too), so the residual stream runs in bf16/fp16 and
-autocast copies nothing; on the CPU the activations then equal bf16-true's.
+Details: docs/internals.md#appsplanactivationspy
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Memory per rank, predicted: model states by ZeRO stage, in bytes, and the bytes per element of each precision.
+The first piece of `trainmesh plan`; the GPT's activations are in activations.py.
 
-The first piece of `trainmesh plan` (issue: know before you launch); the GPT's activations are in activations.py.
-
-Model states (Rajbhandari et al., ZeRO, arXiv 1910.02054, section 5): weights, gradients and optimizer state per
-parameter, each either replicated or partitioned over the N data-parallel ranks. Stage 0 (DDP) keeps all three
-whole, stage 1 partitions the optimizer state, stage 2 also the gradients, stage 3 (FSDP full shard) also the
-weights. With the paper's fp16 weights and gradients and fp32 Adam (12 bytes: master weights and two moments),
-7.5B parameters on 64 GPUs give its 120 / 31.4 / 16.6 / 1.9 GB (tests/unit/test_plan_memory.py).
+Details: docs/internals.md#appsplanmemorypy
 """
 
 from __future__ import annotations

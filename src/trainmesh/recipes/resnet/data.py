@@ -1,26 +1,7 @@
-"""Images for the ResNet recipe: the digits trainmesh ships (nothing to download) or a folder tree.
+"""Images for the ResNet recipe: the digits trainmesh ships (nothing to download) or a folder tree, with a fixed
+validation split and augmentation drawn from the sample id, so that resume stays bit-exact at any world size.
 
-Sources (`data.source`):
-- `embedded` (or `digits`): the 1,797 8×8 grayscale digits of digits.csv.gz (UCI's optdigits test set, the
-  file scikit-learn ships as load_digits; licence: digits.LICENSE), upscaled (bilinear).
-- a folder `root/<class>/<image>` (class = sub-folder, sorted by name, as torchvision's ImageFolder), or
-  `root/train/<class>/...` plus `root/val/<class>/...` for a given split. Files: .png/.jpg/.jpeg/.bmp/
-  .gif/.webp (needs Pillow) or .npy arrays of shape (H, W) or (H, W, C), uint8 0..255 or float 0..1.
-
-Without a given split, the validation set is a fixed `data.val_fraction` of the images, drawn with a
-constant seed, so it is the same in every run, at every world size. Images are normalised per channel
-with the mean and std of (up to 1,000 evenly spaced) training images.
-
-Augmentation (training only: random crop with zero padding, optional horizontal flip) must not use the
-global RNG: trainmesh promises bit-exact resume and a data order independent of the number of ranks,
-and both hold only if a sample id fully determines the sample. The loop's sampler knows only ids, so
-the epoch is put *into* the id: the training set holds `passes` augmented copies of every image, and id
-j is image `j % n` under the augmentation drawn from (run.seed, pass `j // n`, image `j % n`). The
-sampler shuffles all n × passes ids, so each image is seen once per pass on average, with fresh
-augmentation each time; `passes` is fixed (about 4M ids in all), not derived from the run length, so
-resuming with a different train.max_steps continues the same order. The costs: the loop's
-"steps/epoch" counts all passes, and the augmentation of an image repeats after `passes` passes (for
-datasets of over 2M images, whose single pass repeats its augmentation every sampler epoch).
+Details: docs/internals.md#recipesresnetdatapy
 """
 
 from __future__ import annotations
@@ -111,7 +92,7 @@ class Augment:
 
 class ImageDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """(image (C, S, S) normalised, label) pairs; with `augment`, `passes` differently augmented copies
-    of each image, sample id j being image j % n in pass j // n (see the module docstring)."""
+    of each image, sample id j being image j % n in pass j // n (docs/internals.md#recipesresnetdatapy)."""
 
     def __init__(
         self,

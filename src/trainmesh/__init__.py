@@ -8,7 +8,7 @@ Library use (see docs/library.md and examples/):
 The names below load on first use, so that importing a light part of trainmesh (the command line's parser)
 does not import torch. Three documented modules live in the rooms of their kind and keep their short names:
 `trainmesh.horovod` (compat/horovod), `trainmesh.testing` (launch/spawn.py) and `trainmesh.integrations.ray`
-(compat/ray.py); importing either name gives the one module object.
+(compat/ray.py); importing the short or the real name gives the one module object.
 """
 
 from __future__ import annotations

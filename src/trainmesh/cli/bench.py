@@ -1,12 +1,12 @@
 """`trainmesh bench <recipe> --config F [--mode weak|strong|both] [--nprocs 1,2,4] [--section.key=value ...]`.
 
 1. Check everything before anything is written: the flags, the machine (how many processes it runs side by side),
-   the config and every point's job (plan.py).
+   the config and every point's job (apps/bench/points.py).
 2. Claim the bench folder, `<run.out_dir>/<recipe>-bench-<date>-<time>/` (or --run-id), as `trainmesh run`
    claims a run folder.
 3. Run each distinct job once, one after the other, as `trainmesh run` launches one (job/launcher.py launch_into):
    its own run folder in the bench folder, its own torchrun. A point that fails is reported, and the rest run.
-4. Read each point's metrics.jsonl and write bench.json, bench.md and scaling.png (report.py).
+4. Read each point's metrics.jsonl and write bench.json, bench.md and scaling.png (apps/bench/report.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def run_script(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     """`trainmesh run <recipe>`: check everything, claim the run folder, launch; a resume continues from the run's
-    own config (resume.py)."""
+    own config (job/resume.py)."""
     opts = launch_options(args)
     start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
     jobs = resolve_all(start.config, opts)  # before anything is written

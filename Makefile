@@ -21,7 +21,7 @@ GPU_OUT ?= runs/gpu-check
 RAY_VENV ?= .venv-ray
 RAY_PY := $(RAY_VENV)/bin/python
 
-.PHONY: run test lint typecheck unit bench gpu-check test-ray clean
+.PHONY: run test lint typecheck bench gpu-check test-ray clean
 
 # `make run` installs what the default job needs (trainmesh and its core dependencies); `make test` adds the dev
 # extras (the tokenizer, data, tracker and fp8 packages the suite exercises, ruff and mypy) on top.

@@ -33,6 +33,16 @@ SETUPS: dict[str, tuple[int, list[str], str]] = {  # name: (world size, override
         "plain",
     ),
     "fsdp b/2 × 2 accumulation (no_sync)": (2, [FSDP, "--train.micro_batch=2"], "plain"),
+    "fsdp b/2 × 2 accumulation, reduce-scatter every micro-step": (
+        2,
+        [FSDP, "--train.micro_batch=2", "--parallel.fsdp.reduce_every_microstep=true"],
+        "plain",
+    ),
+    "fsdp hybrid 2 × 2, b/4 × 2, reduce-scatter every micro-step": (
+        4,
+        [FSDP, "--train.micro_batch=1", "--parallel.dp_replicate=2", "--parallel.fsdp.reduce_every_microstep=true"],
+        "plain",
+    ),
     "fsdp cpu offload, 2 ranks": (2, [FSDP, "--train.micro_batch=4", "--parallel.fsdp.cpu_offload=true"], "plain"),
     "fsdp hybrid 2 × 2, 4 ranks": (4, [FSDP, "--train.micro_batch=2", "--parallel.dp_replicate=2"], "plain"),
     "fsdp no prefetch, every block recomputed": (

@@ -142,3 +142,31 @@ def test_layouts_that_do_not_fit_come_last_however_fast() -> None:
     assert fits and too_big and min(e.step_time for e in too_big) < max(e.step_time for e in fits)  # what to sort
     assert rows == fits + too_big
     assert [e.step_time for e in fits] == sorted(e.step_time for e in fits)
+
+
+def test_reducing_every_microstep_keeps_gradients_sharded_for_more_traffic() -> None:
+    """fsdp over 2 ranks, 2 accumulation steps, fp32: by default each rank holds the whole gradients (4·P bytes)
+    until the last micro-step; reducing every micro-step it holds its half (4·P/2), and pays one more
+    reduce-scatter: at 1e6 B/s, 0 latency and nothing hidden, 2 reduce-scatters of 4·P bytes over 2 ranks move
+    2 × (1/2)·4·P bytes = 4·P / 1e6 s instead of half that."""
+    cluster = _cluster(devices_per_node=2, intra=Link.uniform(bandwidth=1e6, latency=0.0), overlap=0.0)
+    work = Workload(_spec(), FP32, 16, False)  # 16 = 2 ranks × micro-batch 4 × 2 steps
+    once = estimate(work, Candidate("fsdp", 1, 1, 1, 2, 0, 4, 1), cluster)
+    every = estimate(work, Candidate("fsdp", 1, 1, 1, 2, 0, 4, 1, reduce_every_microstep=True), cluster)
+    assert once.memory["grads"] == pytest.approx(4 * P) and every.memory["grads"] == pytest.approx(4 * P / 2)
+    assert every.time["comm"] - once.time["comm"] == pytest.approx(4 * P / 2 / 1e6 + 2 * P * 4 / cluster.mem_bandwidth)
+    assert "+RS" in Candidate("fsdp", 1, 1, 1, 2, 0, 4, 1, reduce_every_microstep=True).name
+
+
+def test_plan_offers_both_fsdp_gradient_modes_and_check_costs_the_one_configured() -> None:
+    from trainmesh.apps.plan.layouts import candidates
+    from trainmesh.job.spec import resolve
+
+    base = load_config(None, ["--train.global_batch=16", "--train.global_batch_tokens=0"], "gpt")
+    found = {(c.kind, c.reduce_every_microstep) for c in candidates(base, 2, 2, 1, 16, [4]) if c.pp == c.tp == 1}
+    assert ("fsdp", True) in found and ("fsdp", False) in found and ("ddp", True) not in found
+    overrides = ["--parallel.strategy=fsdp", "--train.micro_batch=4", "--train.global_batch=16"]
+    for every in (False, True):
+        flag = f"--parallel.fsdp.reduce_every_microstep={str(every).lower()}"
+        job = resolve(load_config(None, [*overrides, flag], "gpt"), 2)
+        assert Candidate.from_job(job).reduce_every_microstep is every

@@ -83,14 +83,19 @@ class FSDPStrategy(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
+        """A micro-step before the step's last. By default FSDP keeps this micro-step's gradients whole and
+        unsynchronised; with parallel.fsdp.reduce_every_microstep it reduce-scatters them at once and adds them to
+        the sharded gradients, and only the all-reduce across hybrid-sharding replicas waits for the last."""
         if not (enabled and isinstance(module, FSDPModule)):
             yield
             return
-        module.set_requires_gradient_sync(False)
+        every = self.options.reduce_every_microstep
+        hold = module.set_requires_all_reduce if every else module.set_requires_gradient_sync
+        hold(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            hold(True)
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         norm = super().clip_grad_norm(module, max_norm)  # the norm of all shards together

@@ -127,11 +127,11 @@ def stage_memory(
     state = StateBytes.adamw(precision.name)  # per element of each parameter
     params = _bytes(held, cand.tp, shard, state.weights)
     optimizer = _bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
-    # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync), and in a pipeline over
-    # the schedule's pieces (torch's PipelineStage turns gradient sync and resharding after backward off until
-    # the schedule ends; the stage's parameters then stay gathered too)
+    # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync; unless it reduce-scatters
+    # every micro-step), and in a pipeline over the schedule's pieces (torch's PipelineStage turns gradient sync and
+    # resharding after backward off until the schedule ends; the stage's parameters then stay gathered too)
     in_pipeline = fsdp and cand.pp > 1
-    unsharded_grads = fsdp and (accum > 1 or in_pipeline)
+    unsharded_grads = fsdp and ((accum > 1 and not cand.reduce_every_microstep) or in_pipeline)
     grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, state.grads)
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
@@ -325,7 +325,7 @@ def _data_parallel_comm(
     shard_link = cluster.link(cand.dp_shard, cand.tp)
     gather = shard_link.time("all_gather", precision.gather * unsharded, cand.dp_shard, messages=units)
     regather = gather if cand.kind != "fsdp-grad-op" else 0.0
-    reduce = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard, messages=units)
+    reduce = scatter = shard_link.time("reduce_scatter", 4 * unsharded, cand.dp_shard, messages=units)
     if cand.dp_replicate > 1:
         replicate_link = cluster.link(cand.dp_replicate, cand.dp_shard * cand.tp)
         reduce += replicate_link.time("all_reduce", 4 * unsharded / cand.dp_shard, cand.dp_replicate, messages=units)
@@ -336,7 +336,9 @@ def _data_parallel_comm(
     reduce_copies = 2 * unsharded * 4 / cluster.mem_bandwidth
     forward = micro - backward
     per_micro = gather_copies + units * cluster.fsdp_unit_overhead + max(gather / units, gather - hide * forward)
-    # in backward the re-gathers (and, at the last micro-step, the reduce-scatters) share the link: hidden together
-    quiet = max(regather / units, regather - hide * backward)
+    # in backward the re-gathers (and, at the last micro-step or at every one, the reduce-scatters) share the link:
+    # hidden together; the all-reduce across hybrid replicas waits for the last
+    during = regather + (scatter if cand.reduce_every_microstep else 0.0)
+    quiet = max(during / units, during - hide * backward) + (reduce_copies if cand.reduce_every_microstep else 0.0)
     last = reduce_copies + max((regather + reduce) / units, regather + reduce - hide * backward)
     return accum * per_micro + (accum - 1) * quiet + last

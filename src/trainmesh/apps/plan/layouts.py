@@ -31,6 +31,8 @@ class Candidate:
     microbatches: int
     """Pipeline pieces per micro-batch (1 without a pipeline)."""
     schedule: str = "1f1b"
+    reduce_every_microstep: bool = False
+    """fsdp with accumulation: reduce-scatter every micro-step (gradients stay sharded; more communication)."""
 
     @property
     def dp(self) -> int:
@@ -45,7 +47,8 @@ class Candidate:
             data = f"{self.kind}({self.dp})" if self.kind != "single" else "single"
         model = [f"{d}({n})" for d, n in (("tp", self.tp), ("pp", self.pp)) if n > 1]
         parts = model if self.kind == "single" and model else [data, *model]
-        return "·".join(parts) + (" +AC" if self.checkpoint_every else "")
+        marks = (" +AC" if self.checkpoint_every else "") + (" +RS" if self.reduce_every_microstep else "")
+        return "·".join(parts) + marks
 
     @property
     def strategy(self) -> str:
@@ -68,6 +71,7 @@ class Candidate:
             out += [
                 f"--parallel.fsdp.reshard_after_forward={str(self.kind != 'fsdp-grad-op').lower()}",
                 f"--parallel.fsdp.cpu_offload={str(self.kind == 'fsdp-offload').lower()}",
+                f"--parallel.fsdp.reduce_every_microstep={str(self.reduce_every_microstep).lower()}",
             ]
         if self.pp > 1:
             out += [
@@ -102,6 +106,7 @@ class Candidate:
             job.batch.micro_batch,
             par.pipeline.microbatches if dims.pp > 1 else 1,
             par.pipeline.schedule,
+            kind not in ("ddp", "single") and dims.pp == 1 and par.fsdp.reduce_every_microstep,
         )
 
     def config(self, base: Config, global_batch: int) -> Config:
@@ -116,7 +121,10 @@ class Candidate:
             dp_shard=self.dp_shard,
             activation_checkpointing=self.checkpoint_every,
             fsdp=dataclasses.replace(
-                par.fsdp, reshard_after_forward=self.kind != "fsdp-grad-op", cpu_offload=self.kind == "fsdp-offload"
+                par.fsdp,
+                reshard_after_forward=self.kind != "fsdp-grad-op",
+                cpu_offload=self.kind == "fsdp-offload",
+                reduce_every_microstep=self.reduce_every_microstep,
             ),
         )
         if self.pp > 1:
@@ -188,5 +196,9 @@ def candidates(
                         if (global_batch // dp) % micro:
                             continue
                         pieces = _pieces(micro, pp) if pp > 1 else 1
-                        if pieces:
-                            yield Candidate(kind, pp, tp, replicate, shard, every, micro, pieces, schedule)
+                        if not pieces:
+                            continue
+                        yield Candidate(kind, pp, tp, replicate, shard, every, micro, pieces, schedule)
+                        accumulates = global_batch // dp // micro > 1
+                        if accumulates and pp == 1 and kind not in ("ddp", "single"):  # gradients kept sharded
+                            yield Candidate(kind, pp, tp, replicate, shard, every, micro, pieces, schedule, True)

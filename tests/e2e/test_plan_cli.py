@@ -86,6 +86,7 @@ def test_calibrate_then_plan_on_this_machine(tmp_path: Path, capsys: pytest.Capt
         (["--devices-per-node", "-1"], "--devices-per-node=-1 must be at least 1"),
         (["--global-batch", "0"], "--global-batch=0 must be at least 1"),
         (["--top", "0"], "--top=0 must be at least 1"),
+        (["--memory-margin", "1"], "--memory-margin=1.0: the fraction of device memory kept free, from 0 to below 1"),
         (["--nodes", "100000000"], "plan up to 1,000,000 ranks"),
         (["--json", "/no/such/folder/plan.json"], "the folder /no/such/folder does not exist"),
         (["--train.global_batch_tokens=1000"], "is not a whole number of sequences of 32 tokens"),

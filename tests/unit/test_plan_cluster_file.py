@@ -71,6 +71,8 @@ BAD = [
     ("overlap", -0.1, "overlap=-0.1 must be a number from 0 to 1"),
     ("forward_share", 2, "forward_share=2 must be a number from 0 to 1"),
     ("tp_unsplit", None, "tp_unsplit=null must be a number from 0 to 1"),
+    ("memory_margin", 1, "memory_margin=1 must be a number from 0 to below 1"),
+    ("memory_margin", -0.1, "memory_margin=-0.1 must be a number from 0 to below 1"),
     ("busy_slowdown", 0.5, "busy_slowdown=0.5 must be a factor >= 1"),
     ("mem_bandwidth", 0, "mem_bandwidth=0 must be bytes/s > 0"),
     ("host_bandwidth", -1, "host_bandwidth=-1 must be bytes/s > 0"),

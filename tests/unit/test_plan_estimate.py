@@ -170,3 +170,15 @@ def test_plan_offers_both_fsdp_gradient_modes_and_check_costs_the_one_configured
         flag = f"--parallel.fsdp.reduce_every_microstep={str(every).lower()}"
         job = resolve(load_config(None, [*overrides, flag], "gpt"), 2)
         assert Candidate.from_job(job).reduce_every_microstep is every
+
+
+def test_a_layout_fits_within_the_memory_less_the_margin() -> None:
+    """ddp(2) of the nano GPT needs some bytes T per rank: with the device's memory just above T it fits without a
+    margin and not with the default 10% one, which also shows in what check and plan print."""
+    work = Workload(_spec(), FP32, 8, False)
+    cand = Candidate("ddp", 1, 1, 2, 1, 0, 4, 1)
+    total = estimate(work, cand, _cluster(devices_per_node=2, memory=1e12)).total_memory
+    tight = _cluster(devices_per_node=2, memory=total * 1.05)
+    assert tight.memory_margin == 0.10 and tight.usable_memory == pytest.approx(total * 1.05 * 0.9)
+    assert not estimate(work, cand, tight).fits
+    assert estimate(work, cand, dataclasses.replace(tight, memory_margin=0.0)).fits

@@ -104,6 +104,12 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> N
         default=d(None),
         help="sequences per optimizer step (default: the config's, else train.micro_batch on every rank)",
     )
+    g.add_argument(
+        "--memory-margin",
+        type=float,
+        default=d(None),
+        help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
+    )
     g.add_argument("--top", type=int, default=d(20), help="rows to print (default 20)")
     g.add_argument("--json", default=d(None), help="also write every layout's figures here")
     g.add_argument(

@@ -7,6 +7,7 @@ Details: docs/internals.md#cliplanpy
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -32,8 +33,8 @@ EXIT_NOTHING_FITS = 3  # distinct from a user error (2) and from a crash (1)
 ASSUMPTIONS = (
     "memory: AdamW (two moments like each parameter, a 4-byte step per tensor); activations as autograd saves them "
     "in trainmesh's GPT with SDPA (no attention matrix kept), no dropout",
-    "memory: a layout fits when its most loaded rank's total is within the device memory (allocator "
-    "fragmentation not modelled: keep a margin)",
+    "memory: a layout fits when its most loaded rank's total is within the device memory less a margin for what is "
+    "not modelled (allocator fragmentation, NCCL's growing buffers): --memory-margin, 10% by default",
     "time: FLOPs = 72·L·h²·(1 + s/6h) + 6·h·V per token (attention non-causal, as Megatron counts); "
     "+ one forward of each checkpointed block",
     "time: collectives as ring bandwidth + latency (log2 n steps for all-reduce, n − 1 for all-gather and "
@@ -53,6 +54,11 @@ def check_plan_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}={value} must be at least 1")
     if args.nodes * (args.devices_per_node or 8) > MAX_RANKS:
         raise ConfigError(f"--nodes={args.nodes}: plan up to {MAX_RANKS:,} ranks (nodes × devices per node)")
+    if args.memory_margin is not None and not 0 <= args.memory_margin < 1:
+        raise ConfigError(
+            f"--memory-margin={args.memory_margin}: the fraction of device memory kept free, from 0 to below 1 "
+            "(e.g. 0.1)"
+        )
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError(f"--global-batch={args.global_batch} must be at least 1 (sequences per optimizer step)")
     if args.json and not Path(args.json).expanduser().parent.is_dir():
@@ -76,6 +82,8 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
                 return f"calibration saved to {calibration}", 0
         base = described or read_cluster(args.cluster, calibration)
         cluster = for_nodes(base, args.nodes, args.devices_per_node)
+        if args.memory_margin is not None:
+            cluster = dataclasses.replace(cluster, memory_margin=args.memory_margin)
         work = Workload.from_config(config, args.global_batch or _config_global_batch(config, cluster.world_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -156,7 +164,8 @@ def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int
         f"seq={spec.seq}, vocab={spec.vocab}), {work.precision.name}; global batch {work.global_batch} sequences "
         f"= {work.tokens_per_step:,} tokens per step",
         f"cluster: {cluster.name}, {cluster.nodes} node(s) × {cluster.devices_per_node} {cluster.device} device(s) of "
-        f"{cluster.memory / GiB:.1f} GiB; {cluster.flops(dtype) / 1e12:.3g} TFLOP/s achievable in {dtype} "
+        f"{cluster.memory / GiB:.1f} GiB ({cluster.usable_memory / GiB:.1f} usable, a {cluster.memory_margin:.0%} "
+        f"margin); {cluster.flops(dtype) / 1e12:.3g} TFLOP/s achievable in {dtype} "
         f"({source})",
         "",
         f"{'layout':<26} {'micro':>5} {'accum':>5} | {unit + '/rank':>8} {'params':>6} {'grads':>6} {'optim':>6} "

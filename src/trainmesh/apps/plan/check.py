@@ -61,8 +61,9 @@ def memory_lines(job: Job, processes_per_node: int) -> list[str]:
         lines.append("  (fp8-mixed predicted as bf16-mixed, which holds the same model states and activations)")
     if not est.fits:
         lines.append(
-            f"  WARNING: that is more than the {cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank "
-            "here. Fix: see `trainmesh plan` for layouts that fit (fsdp, activation checkpointing, a smaller "
-            "train.micro_batch)."
+            f"  WARNING: that is more than the {cluster.usable_memory / GiB:.1f} GiB usable of the "
+            f"{cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank here ({cluster.memory_margin:.0%} "
+            "kept for what is not modelled). Fix: see `trainmesh plan` for layouts that fit (fsdp, activation "
+            "checkpointing, a smaller train.micro_batch)."
         )
     return lines

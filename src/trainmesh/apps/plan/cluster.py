@@ -21,6 +21,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 PEAK_DTYPES = ("bf16", "tf32", "fp32")
 MiB = 2**20
 MAX_RANKS = 1_000_000
+# Kept free on each device for what the memory model does not count. 10%: PyTorch holds its own memory trackers to
+# within 10% of the measured peak (test_fsdp2_mem_tracker.py), and allocator fragmentation alone reaches that.
+MEMORY_MARGIN = 0.10
 
 
 def size_unit(largest: float) -> tuple[str, float]:
@@ -101,6 +104,9 @@ class Cluster:
     tp_unsplit: float = 0.0
     """The share of a step's per-token work that tensor parallelism does not divide (replicated LayerNorms and
     loss, DTensor's dispatch): calibrated where two processes can run; 0 in the presets (Megatron's assumption)."""
+    memory_margin: float = MEMORY_MARGIN
+    """Fraction of each device's memory left for what the model does not count (allocator fragmentation, NCCL's
+    buffers as they grow): a layout fits within the rest."""
     calibrated: str = ""
     """Where the figures were measured (a calibration file), or '' for a preset's assumptions."""
     notes: tuple[str, ...] = field(default=())
@@ -111,6 +117,11 @@ class Cluster:
 
     def with_nodes(self, nodes: int, devices_per_node: int | None = None) -> Cluster:
         return replace(self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes a layout may use on each device: its memory less the margin."""
+        return self.memory * (1 - self.memory_margin)
 
     def flops(self, compute_dtype: str) -> float:
         """Achievable FLOP/s for `compute_dtype` ('bf16', 'tf32', 'fp32')."""
@@ -261,6 +272,7 @@ _SCHEMA: dict[str, Any] = {
     "busy_slowdown": _number("a factor >= 1", _finite(1)),
     "fsdp_unit_overhead": _LATENCY,
     "tp_unsplit": _FRACTION,
+    "memory_margin": _number("a number from 0 to below 1", lambda x: math.isfinite(x) and 0 <= x < 1),
     "calibrated": _TEXT,
     "notes": _Rule(
         "a list of strings", lambda x: tuple(x) if isinstance(x, list) and all(isinstance(n, str) for n in x) else None

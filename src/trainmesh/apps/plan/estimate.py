@@ -113,7 +113,7 @@ def estimate_layout(
     stage = max(range(cand.pp), key=lambda i: sum(stages[i][0].values()))
     parts, host = stages[stage]
     time = step_time(spec, cand, precision, cluster, accum, tf32)
-    return Estimate(cand, parts, sum(host.values()), stage, time, fits=sum(parts.values()) <= cluster.memory)
+    return Estimate(cand, parts, sum(host.values()), stage, time, fits=sum(parts.values()) <= cluster.usable_memory)
 
 
 def stage_memory(

@@ -33,7 +33,7 @@ def test_the_table_and_its_run_command(tmp_path: Path, capsys: pytest.CaptureFix
     )
     assert code == 0, err
     assert "layout" in out and "ddp(2)" in out and "fsdp(2)" in out and "assumptions:" in out
-    command = shlex.split(out.split("Fastest that fits:")[1].splitlines()[1])
+    command = shlex.split(out.split("Recommended:")[1].splitlines()[1])
     assert command[:3] == ["trainmesh", "run", "gpt"] and "--nproc-per-node" in command
     rows = json.loads(report.read_text())["layouts"]
     assert rows[0]["fits"] and rows == sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))
@@ -145,6 +145,6 @@ def test_several_nodes_get_a_rendezvous_in_the_command(tmp_path: Path, capsys: p
         capsys, "gpt", "--config", str(nano_toml(tmp_path)), "--nodes", "2", "--parallel.strategy=ddp"
     )
     assert code == 0, err
-    command = shlex.split(out.split("Fastest that fits:")[1].splitlines()[1])
+    command = shlex.split(out.split("Recommended:")[1].splitlines()[1])
     assert command[command.index("--nnodes") + 1] == "2" and "--rdzv-endpoint" in command
     assert sum(o.startswith("--parallel.strategy=") for o in command) == 1  # the layout's, not also the user's

@@ -13,10 +13,10 @@ import math
 import pytest
 
 from trainmesh.apps.plan.cluster import PRESETS, Cluster, Cost, Link
-from trainmesh.apps.plan.estimate import PrecisionBytes, pieces_in_flight, stage_memory
+from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, pieces_in_flight, stage_memory
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
-from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
+from trainmesh.apps.plan.search import Workload, estimate, plan_layouts, rank
 from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt.model import GPTConfig
 
@@ -141,7 +141,24 @@ def test_layouts_that_do_not_fit_come_last_however_fast() -> None:
     too_big = [e for e in rows if not e.fits]
     assert fits and too_big and min(e.step_time for e in too_big) < max(e.step_time for e in fits)  # what to sort
     assert rows == fits + too_big
-    assert [e.step_time for e in fits] == sorted(e.step_time for e in fits)
+    assert [e.step_time for e in too_big] == sorted(e.step_time for e in too_big)
+
+
+def _timed(cand: Candidate, seconds: float, fits: bool = True) -> Estimate:
+    return Estimate(cand, {"params": 0.0}, 0.0, 0, {"compute": seconds}, fits)
+
+
+def test_layouts_the_model_cannot_tell_apart_come_simplest_first() -> None:
+    """Within the stated error of the fastest (15% for a preset), ddp before fsdp before tensor parallelism; a
+    layout more than that slower stays behind, and one that does not fit comes last however fast."""
+    ddp, fsdp = Candidate("ddp", 1, 1, 8, 1, 0, 4, 1), Candidate("fsdp-grad-op", 1, 1, 1, 8, 0, 4, 1)
+    tp, slow = Candidate("fsdp", 1, 2, 1, 4, 0, 4, 1), Candidate("fsdp", 1, 1, 1, 8, 1, 4, 1)
+    huge = Candidate("ddp", 1, 1, 8, 1, 0, 16, 1)
+    rows = [_timed(fsdp, 0.998), _timed(tp, 0.95), _timed(ddp, 1.0), _timed(slow, 1.3), _timed(huge, 0.5, False)]
+    ranked = rank(rows, PRESETS["h100"].time_error)
+    assert PRESETS["h100"].time_error == 0.15
+    assert [e.candidate for e in ranked] == [ddp, fsdp, tp, slow, huge]
+    assert [e.candidate for e in rank(rows, 0.01)] == [tp, ddp, fsdp, slow, huge]  # sharper: tp is 5% ahead
 
 
 def test_reducing_every_microstep_keeps_gradients_sharded_for_more_traffic() -> None:

@@ -98,7 +98,10 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
     if best is None:
         lines.append("No layout fits the device memory: a smaller model, a shorter block_size, or more devices.")
     else:
-        lines.append(f"Fastest that fits: {best.candidate.name}, micro-batch {best.candidate.micro_batch}:")
+        lines.append(
+            f"Recommended: {best.candidate.name}, micro-batch {best.candidate.micro_batch} (of the layouts that fit "
+            f"and are within {cluster.time_error:.0%} of the fastest, the simplest):"
+        )
         lines.append("  " + shlex.join(run_command(args, overrides, cluster, best, work.global_batch)))
         if cluster.nodes > 1:
             lines.append("  (on every node, with the address of the first node's rendezvous in place of <host:port>)")
@@ -149,6 +152,18 @@ def run_command(
     return command + [o for o in overrides if o.split("=", 1)[0] not in set_by_layout] + layout
 
 
+def _assumed(cluster: Cluster) -> str:
+    """What an uncalibrated cluster's times rest on, and the span they may be off by."""
+    text = f"assumed: {cluster.efficiency:.0%} of peak"
+    if len(cluster.efficiency_range) == 2:
+        low, high = cluster.efficiency_range
+        text += (
+            f"; GPT training reaches {low:.0%}-{high:.0%} on this device in practice, so a step may take "
+            f"{cluster.efficiency / high:.2f}-{cluster.efficiency / low:.2f}x the time and MFU below"
+        )
+    return text + "; calibrate on a node for measured figures"
+
+
 def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int | None) -> str:
     spec = work.spec
     rows = estimates[:top] if top else estimates
@@ -158,7 +173,7 @@ def render(work: Workload, cluster: Cluster, estimates: list[Estimate], top: int
         return f"{x / scale:6.2f}"
 
     dtype = work.precision.compute_dtype(work.tf32 and cluster.device == "cuda")
-    source = f"calibrated ({cluster.calibrated})" if cluster.calibrated else "assumed: calibrate for measured figures"
+    source = f"calibrated ({cluster.calibrated})" if cluster.calibrated else _assumed(cluster)
     lines = [
         f"model: GPT {spec.n_params / 1e6:.1f}M parameters (L={spec.n_layer}, h={spec.n_embd}, heads={spec.n_head}, "
         f"seq={spec.seq}, vocab={spec.vocab}), {work.precision.name}; global batch {work.global_batch} sequences "
@@ -198,6 +213,13 @@ def to_json(work: Workload, cluster: Cluster, estimates: list[Estimate]) -> dict
         "global_batch": work.global_batch,
         "cluster": cluster.name,
         "world_size": cluster.world_size,
+        "times": {  # what the step times and MFU rest on
+            "basis": "calibrated" if cluster.calibrated else "assumed",
+            "efficiency": cluster.efficiency,
+            "efficiency_in_practice": list(cluster.efficiency_range),
+            "relative_error": cluster.time_error,
+        },
+        "memory_margin": cluster.memory_margin,
         "assumptions": [*ASSUMPTIONS, *cluster.notes],
         "layouts": [
             {

@@ -105,6 +105,7 @@ def _cluster(config: Config, device: str, compute: dict[str, Any], links: Link |
             mem_bandwidth=bandwidth,
             step_overhead=overhead,
             forward_share=compute["forward_share"],
+            efficiency_range=(),  # measured: no longer an assumption with a span
             calibrated=source,
             notes=(
                 f"efficiency measured in {dtype}; the other precisions are taken at the same fraction of their peak",

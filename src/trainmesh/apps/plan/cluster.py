@@ -104,6 +104,9 @@ class Cluster:
     tp_unsplit: float = 0.0
     """The share of a step's per-token work that tensor parallelism does not divide (replicated LayerNorms and
     loss, DTensor's dispatch): calibrated where two processes can run; 0 in the presets (Megatron's assumption)."""
+    efficiency_range: tuple[float, ...] = ()
+    """The fractions of peak that published training of GPT-class models reaches on this device, lowest and highest
+    (a preset's; empty once calibrated): the span an assumed efficiency's times and MFU may be off by."""
     memory_margin: float = MEMORY_MARGIN
     """Fraction of each device's memory left for what the model does not count (allocator fragmentation, NCCL's
     buffers as they grow): a layout fits within the rest."""
@@ -117,6 +120,13 @@ class Cluster:
 
     def with_nodes(self, nodes: int, devices_per_node: int | None = None) -> Cluster:
         return replace(self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+    @property
+    def time_error(self) -> float:
+        """The relative error of a predicted step time this cluster's figures carry: 7% calibrated (the validation's
+        layouts at the machine's speed of the moment, docs/plan.md), 15% for a preset's datasheet figures (the
+        validation's largest across runs)."""
+        return 0.07 if self.calibrated else 0.15
 
     @property
     def usable_memory(self) -> float:
@@ -148,7 +158,15 @@ class Cluster:
 
 
 def _gpu(
-    name: str, memory: float, bf16: float, tf32: float, fp32: float, hbm: float, nvlink: float, ib: float
+    name: str,
+    memory: float,
+    bf16: float,
+    tf32: float,
+    fp32: float,
+    hbm: float,
+    nvlink: float,
+    ib: float,
+    efficiency_range: tuple[float, float],
 ) -> Cluster:
     return Cluster(
         name=name,
@@ -165,15 +183,18 @@ def _gpu(
         host_bandwidth=100 * GB,  # a two-socket server's DDR, as a CPU AdamW streams it
         overhead=1.0 * GiB,
         overlap=0.9,
+        efficiency_range=efficiency_range,
     )
 
 
 # Dense peaks (NVIDIA datasheets, SXM parts); NVLink as the all-reduce bus bandwidth nccl-tests reach on a DGX;
 # InfiniBand one 200 (A100) or 400 Gb/s (H100, H200) NIC per GPU.
 PRESETS: dict[str, Cluster] = {
-    "a100": _gpu("a100", 80 * GiB, 312e12, 156e12, 19.5e12, 2.04e12, 230 * GB, 23 * GB),
-    "h100": _gpu("h100", 80 * GiB, 989e12, 494e12, 67e12, 3.35e12, 450 * GB, 45 * GB),
-    "h200": _gpu("h200", 141 * GB, 989e12, 494e12, 67e12, 4.8e12, 450 * GB, 45 * GB),
+    # MFU of GPT-class training in practice: A100 31% (PyTorch GPT-2, llm.c PR #323) to 60% (llm.c, 8 GPUs);
+    # H100 and H200 33% (nanoGPT on one H100, PR #464; this project measured 35%) to 47% (Megatron-Core's README)
+    "a100": _gpu("a100", 80 * GiB, 312e12, 156e12, 19.5e12, 2.04e12, 230 * GB, 23 * GB, (0.31, 0.60)),
+    "h100": _gpu("h100", 80 * GiB, 989e12, 494e12, 67e12, 3.35e12, 450 * GB, 45 * GB, (0.33, 0.47)),
+    "h200": _gpu("h200", 141 * GB, 989e12, 494e12, 67e12, 4.8e12, 450 * GB, 45 * GB, (0.33, 0.47)),
 }
 CLUSTERS = (*PRESETS, "this")
 
@@ -250,6 +271,17 @@ _RANKS = _Rule(
     f"a whole number from 1 to {MAX_RANKS:,}",
     lambda x: x if type(x) is int and 1 <= x <= MAX_RANKS else None,  # type(): a boolean is no count
 )
+
+
+def _fraction_pair(x: object) -> bool:
+    return (
+        isinstance(x, list)
+        and len(x) == 2
+        and all(type(v) in (int, float) and math.isfinite(v) and 0 < v <= 1 for v in x)
+        and x[0] <= x[1]
+    )
+
+
 _TEXT = _Rule("a string", lambda x: x if isinstance(x, str) else None)
 # The JSON keys of a cluster file (asdict(Cluster)) and what each may be; a dict is a JSON object of its own.
 _SCHEMA: dict[str, Any] = {
@@ -272,6 +304,10 @@ _SCHEMA: dict[str, Any] = {
     "busy_slowdown": _number("a factor >= 1", _finite(1)),
     "fsdp_unit_overhead": _LATENCY,
     "tp_unsplit": _FRACTION,
+    "efficiency_range": _Rule(
+        "[] or [lowest, highest], fractions of peak above 0, at most 1",
+        lambda x: tuple(float(v) for v in x) if isinstance(x, list) and (x == [] or _fraction_pair(x)) else None,
+    ),
     "memory_margin": _number("a number from 0 to below 1", lambda x: math.isfinite(x) and 0 <= x < 1),
     "calibrated": _TEXT,
     "notes": _Rule(

@@ -77,7 +77,26 @@ def plan_layouts(config: Config, work: Workload, cluster: Cluster) -> list[Estim
         best = min(fitting, key=lambda e: e.step_time) if fitting else estimates[-1]
         if best.candidate.job(config, work.global_batch, cluster.world_size) is not None:
             chosen.append(best)
-    return sorted(chosen, key=lambda e: (not e.fits, e.step_time))
+    return rank(chosen, cluster.time_error)
+
+
+def simplicity(cand: Candidate) -> tuple[int, ...]:
+    """Fewer moving parts first: ddp (or one device), then the fsdp kinds, offload; tensor or pipeline parallelism
+    after data parallelism alone; activation checkpointing and per-micro-step reduce-scatters last."""
+    kind = {"single": 0, "ddp": 0, "fsdp": 1, "fsdp-grad-op": 1, "hsdp": 1, "fsdp-offload": 2}[cand.kind]
+    return ((cand.tp > 1) + (cand.pp > 1), kind, int(cand.checkpoint_every > 0), int(cand.reduce_every_microstep))
+
+
+def rank(estimates: list[Estimate], error: float) -> list[Estimate]:
+    """Those that fit first. Among them, repeatedly: the fastest left and every layout within `error` of its time
+    (which the model cannot tell apart), simpler first; those that do not fit after, fastest first."""
+    left = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time)
+    ranked: list[Estimate] = []
+    while left:
+        close = [e for e in left if e.step_time <= left[0].step_time * (1 + error)]
+        ranked += sorted(close, key=lambda e: (simplicity(e.candidate), e.step_time))
+        left = left[len(close) :]
+    return ranked + sorted((e for e in estimates if not e.fits), key=lambda e: e.step_time)
 
 
 def mfu(work: Workload, est: Estimate, cluster: Cluster) -> float:

@@ -59,6 +59,24 @@ def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
     )
 
 
+def _add_check_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """`trainmesh check`'s own flags: the devices the job is for."""
+    d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    g = parser.add_argument_group("memory (the predicted memory per rank, against the devices the job will run on)")
+    g.add_argument(
+        "--cluster",
+        default=d(None),
+        help="a100 | h100 | h200 | this (calibrated) | a cluster JSON file (docs/plan.md): compare memory per rank "
+        "with its devices instead of this machine's",
+    )
+    g.add_argument(
+        "--memory-margin",
+        type=float,
+        default=d(None),
+        help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
+    )
+
+
 def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     """`trainmesh check --parity`'s flags; checked by trainmesh.cli.parity (messages that say how to fix)."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
@@ -186,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--parity-b) and report the first step and parameter where the two differ beyond tolerance.",
     )
     check.add_argument("target", help=f"recipe name ({' | '.join(RECIPE_NAMES)})")
+    _add_check_flags(check)
     add_launch_flags(check)
     _add_recipe_flags(check)
     _add_parity_flags(check)
@@ -283,6 +302,7 @@ def split_recipe_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         _add_bench_flags(tail, defaults=False)
     if args.command == "check":
         _add_parity_flags(tail, defaults=False)
+        _add_check_flags(tail, defaults=False)
     if args.command == "plan":
         _add_plan_flags(tail, defaults=False)
     elif args.command in ("slurm", "k8s"):

@@ -18,10 +18,12 @@ from trainmesh.core.machine import host_memory
 from trainmesh.job.spec import Job
 from trainmesh.recipes.gpt.model import GPTConfig
 
+LOCAL = "this machine"
+
 
 def local_cluster(processes_per_node: int) -> Cluster:
     """This machine as a one-node cluster with `processes_per_node` ranks."""
-    base = dataclasses.replace(PRESETS["h100"], devices_per_node=processes_per_node)
+    base = dataclasses.replace(PRESETS["h100"], name=LOCAL, devices_per_node=processes_per_node)
     if torch.cuda.is_available():
         return dataclasses.replace(base, memory=float(torch.cuda.get_device_properties(0).total_memory))
     return dataclasses.replace(base, device="cpu", memory=host_memory() / processes_per_node, overhead=0.0)
@@ -41,9 +43,13 @@ def predict(job: Job, cluster: Cluster) -> Estimate | None:
     return estimate_layout(ModelSpec(model), cand, precision, cluster, accum, config.train.tf32)
 
 
-def memory_lines(job: Job, processes_per_node: int) -> list[str]:
-    """One line with the prediction by component, and a warning line when it exceeds the device memory."""
-    cluster = local_cluster(processes_per_node)
+def where_from(cluster: Cluster) -> str:
+    return " here" if cluster.name.startswith(LOCAL) else f" of {cluster.name}"
+
+
+def memory_lines(job: Job, cluster: Cluster) -> list[str]:
+    """One line with the prediction by component on `cluster`'s devices (local_cluster: this machine's), and a
+    warning line when it exceeds their usable memory."""
     est = predict(job, cluster)
     if est is None:
         return [f"  memory: not predicted for recipe {job.config.run.recipe!r} (trainmesh plan models the gpt recipe)"]
@@ -62,7 +68,8 @@ def memory_lines(job: Job, processes_per_node: int) -> list[str]:
     if not est.fits:
         lines.append(
             f"  WARNING: that is more than the {cluster.usable_memory / GiB:.1f} GiB usable of the "
-            f"{cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank here ({cluster.memory_margin:.0%} "
+            f"{cluster.memory / GiB:.1f} GiB of memory per {cluster.device} rank{where_from(cluster)} "
+            f"({cluster.memory_margin:.0%} "
             "kept for what is not modelled). Fix: see `trainmesh plan` for layouts that fit (fsdp, activation "
             "checkpointing, a smaller train.micro_batch)."
         )

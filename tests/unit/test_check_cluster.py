@@ -1,0 +1,59 @@
+"""`trainmesh check --cluster`: a job's memory per rank against the devices it is for, not this machine's; a
+multi-node job checked without it says so; bad flags are refused before anything is resolved."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from support import nano_toml
+from trainmesh.apps.plan.cluster import PRESETS, save_calibration
+from trainmesh.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _check(tmp_path: Path, *extra: str) -> list[str]:
+    return ["check", "gpt", "--config", str(nano_toml(tmp_path)), "--nproc-per-node", "2", *extra]
+
+
+def test_memory_is_compared_with_the_target_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = tmp_path / "tiny.json"  # a cluster of 1 MB devices: the nano GPT's few MB per rank exceed them
+    save_calibration(dataclasses.replace(PRESETS["h100"], name="tiny", memory=1e6, overhead=0.0), tiny)
+    assert main(_check(tmp_path, "--cluster", str(tiny))) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: that is more than the 0.0 GiB usable of the 0.0 GiB of memory per cuda rank of tiny" in out
+    assert main(_check(tmp_path, "--cluster", "h100")) == 0
+    assert "WARNING" not in capsys.readouterr().out  # 80 GiB devices hold it
+
+
+def test_a_multi_node_job_checked_here_says_whose_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"]
+    assert main(_check(tmp_path, *args)) == 0
+    assert "memory against this machine's devices: add --cluster h100" in capsys.readouterr().out
+    assert main(_check(tmp_path, *args, "--cluster", "a100")) == 0
+    assert "this machine's devices" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--cluster", "tpu"], "--cluster='tpu' is not one of a100, h100, h200, this, nor a .json file"),
+        (["--memory-margin", "1"], "--memory-margin=1.0: the fraction of device memory kept free"),
+    ],
+)
+def test_bad_check_flags_are_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, extra: list[str], message: str
+) -> None:
+    assert main(_check(tmp_path, *extra)) == 2
+    assert message in caplog.text
+
+
+def test_a_cluster_file_keeps_its_margin_and_span(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    save_calibration(dataclasses.replace(PRESETS["a100"], memory_margin=0.2), path)
+    data = json.loads(path.read_text())
+    assert data["memory_margin"] == 0.2 and data["efficiency_range"] == [0.31, 0.6]

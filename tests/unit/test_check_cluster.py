@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from support import nano_toml
-from trainmesh.apps.plan.cluster import PRESETS, save_calibration
+from trainmesh.apps.plan.cluster import PRESETS, load_calibration, save_calibration
 from trainmesh.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,3 +57,9 @@ def test_a_cluster_file_keeps_its_margin_and_span(tmp_path: Path) -> None:
     save_calibration(dataclasses.replace(PRESETS["a100"], memory_margin=0.2), path)
     data = json.loads(path.read_text())
     assert data["memory_margin"] == 0.2 and data["efficiency_range"] == [0.31, 0.6]
+    back = load_calibration(path)
+    assert back.memory_margin == 0.2 and back.efficiency_range == (0.31, 0.6)
+    del data["memory_margin"], data["efficiency_range"]  # a file written before these keys
+    path.write_text(json.dumps(data))
+    old = load_calibration(path)
+    assert old.memory_margin == 0.1 and old.efficiency_range == ()

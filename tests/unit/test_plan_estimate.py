@@ -199,3 +199,17 @@ def test_a_layout_fits_within_the_memory_less_the_margin() -> None:
     assert tight.memory_margin == 0.10 and tight.usable_memory == pytest.approx(total * 1.05 * 0.9)
     assert not estimate(work, cand, tight).fits
     assert estimate(work, cand, dataclasses.replace(tight, memory_margin=0.0)).fits
+
+
+def test_plan_lists_the_sharded_gradient_mode_beside_the_default() -> None:
+    """Both fsdp gradient modes are rows of their own (a group by layout would keep only the faster one), and a job
+    where the mode changes nothing (no accumulation) is costed as the default."""
+    from trainmesh.job.spec import resolve
+
+    config = load_config(None, ["--model.size=nano", "--train.micro_batch=2", "--train.global_batch=8"], "gpt")
+    cluster = dataclasses.replace(PRESETS["h100"], devices_per_node=2)
+    names = {e.candidate.name for e in plan_layouts(config, Workload.from_config(config, 8), cluster)}
+    assert {"fsdp(2)", "fsdp(2) +RS"} <= names
+    one_step = ["--parallel.strategy=fsdp", "--train.micro_batch=4", "--train.global_batch=8"]
+    flag = "--parallel.fsdp.reduce_every_microstep=true"
+    assert not Candidate.from_job(resolve(load_config(None, [*one_step, flag], "gpt"), 2)).reduce_every_microstep

@@ -100,7 +100,7 @@ def plan_command(args: argparse.Namespace, overrides: list[str]) -> tuple[str, i
     else:
         lines.append(
             f"Recommended: {best.candidate.name}, micro-batch {best.candidate.micro_batch} (of the layouts that fit "
-            f"and are within {cluster.time_error:.0%} of the fastest, the simplest):"
+            f"and are within the model's {cluster.time_error:.0%} of the fastest, the simplest):"
         )
         lines.append("  " + shlex.join(run_command(args, overrides, cluster, best, work.global_batch)))
         if cluster.nodes > 1:
@@ -158,8 +158,9 @@ def _assumed(cluster: Cluster) -> str:
     if len(cluster.efficiency_range) == 2:
         low, high = cluster.efficiency_range
         text += (
-            f"; GPT training reaches {low:.0%}-{high:.0%} on this device in practice, so a step may take "
-            f"{cluster.efficiency / high:.2f}-{cluster.efficiency / low:.2f}x the time and MFU below"
+            f"; GPT training reaches {low:.0%}-{high:.0%} MFU on this device in practice, so a step's compute may "
+            f"take {cluster.efficiency / high:.2f}-{cluster.efficiency / low:.2f}x the time below, and MFU be "
+            f"{low / cluster.efficiency:.2f}-{high / cluster.efficiency:.2f}x"
         )
     return text + "; calibrate on a node for measured figures"
 

@@ -292,7 +292,10 @@ def _after_pipeline(
     out = {"comm": _data_parallel_comm(spec, cand, precision, cluster, accum, stage, micro, backward)}
     if cand.kind == "fsdp-offload":  # the fp32 shards up for each gather, the reduced gradients down
         out["optimizer"] = optimizer_bytes / cluster.host_bandwidth
-        out["offload"] = (accum * 2 + 1) * local * precision.weight / cluster.host.bandwidth
+        # each micro-step's gathers bring the fp32 shard up; reduced gradients go down once a step, or after every
+        # micro-step when it reduce-scatters each
+        down = accum if cand.reduce_every_microstep else 1
+        out["offload"] = (accum * 2 + down) * local * precision.weight / cluster.host.bandwidth
     else:
         out["optimizer"] = optimizer_bytes / cluster.mem_bandwidth * slowdown
         out["offload"] = 0.0
@@ -338,7 +341,9 @@ def _data_parallel_comm(
     per_micro = gather_copies + units * cluster.fsdp_unit_overhead + max(gather / units, gather - hide * forward)
     # in backward the re-gathers (and, at the last micro-step or at every one, the reduce-scatters) share the link:
     # hidden together; the all-reduce across hybrid replicas waits for the last
-    during = regather + (scatter if cand.reduce_every_microstep else 0.0)
-    quiet = max(during / units, during - hide * backward) + (reduce_copies if cand.reduce_every_microstep else 0.0)
+    # (a pipeline's schedule reduces its stage's gradients at the end of every micro-step's schedule run)
+    every = cand.reduce_every_microstep or cand.pp > 1
+    during = regather + (scatter if every else 0.0)
+    quiet = max(during / units, during - hide * backward) + (reduce_copies if every else 0.0)
     last = reduce_copies + max((regather + reduce) / units, regather + reduce - hide * backward)
     return accum * per_micro + (accum - 1) * quiet + last

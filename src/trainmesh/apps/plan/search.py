@@ -69,7 +69,8 @@ def plan_layouts(config: Config, work: Workload, cluster: Cluster) -> list[Estim
     ):
         if refused_by_shape(work.spec, cand):
             continue
-        groups[(cand.kind, cand.pp, cand.tp, cand.dp_replicate, cand.dp_shard, cand.checkpoint_every)].append(cand)
+        key = (cand.kind, cand.pp, cand.tp, cand.dp_replicate, cand.dp_shard, cand.checkpoint_every)
+        groups[(*key, cand.reduce_every_microstep)].append(cand)
     chosen: list[Estimate] = []
     for group in groups.values():
         estimates = [estimate(work, cand, cluster) for cand in group]  # largest micro-batch first

@@ -114,7 +114,8 @@ def plan_point(model: Model, gpus: int, global_batch: int, preset: str = "") -> 
     """The fastest layout that fits, or None when no layout splits the batch over `gpus` (or none fits)."""
     config = load_config(None, list(model.overrides), "gpt")
     work, cluster = Workload.from_config(config, global_batch), cluster_for(gpus, preset or "h100")
-    best = next((e for e in plan_layouts(config, work, cluster) if e.fits), None)
+    fitting = [e for e in plan_layouts(config, work, cluster) if e.fits]
+    best = min(fitting, key=lambda e: e.step_time) if fitting else None  # not plan's simplest-of-close-calls
     return Point(gpus, global_batch, work, cluster, best) if best else None
 
 

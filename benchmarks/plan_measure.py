@@ -17,20 +17,21 @@ step after the warm-up steps:
 - grads: every `p.grad` after backward and clipping, when the optimizer starts its step (an optimizer step
   pre-hook), before `zero_grad`;
 - optimizer: every tensor in `optimizer.state` after the step (AdamW: exp_avg, exp_avg_sq, step);
-- act_peak: the peak of the *live* activations saved for backward during the step. A
+- act_peak (`trainmesh.apps.plan.probes.SavedActivations`, which the dry run uses too): the peak of the *live*
+  activations saved for backward during the step. A
   `torch.autograd.graph.saved_tensors_hooks` pack hook sees every tensor autograd saves; each storage is counted
   once (views such as q, k, v of one qkv output are one storage) while any tensor saved on it is alive (a weak
   reference per saved tensor tells when autograd, in backward, lets go of it), and the total is taken at every
   pack. A pipeline schedule (1F1B) frees one micro-batch's saved tensors while later ones are being saved, so
-  only a live peak is its memory. Storages of parameters (linear layers save their weight; under FSDP the
+  only a live peak is its memory. Parameters and their views (linear layers save their weight; under FSDP the
   all-gathered one) are not activations and are left out. A block under activation checkpointing saves nothing
   through these hooks (its own take over) and keeps only its input, so block inputs are recorded by a forward
   pre-hook as well (the same storage as ln_1's saved input without checkpointing: counted once). Split into
   act_peak_blocks / act_peak_outside: the two parts of the total at its peak (outside the blocks: embeddings,
   final LayerNorm, head, the loss's log-softmax);
-- gathered_params: FSDP's unsharded parameters still registered in the model when a forward ends (a forward hook
-  on each outermost FSDP unit, after FSDP's own), held in addition to the shards until backward; the largest
-  over the step's forwards. Parameters that are not the ones registered at rest are the gathered ones (with
+- gathered_params (`probes.GatheredParams`): FSDP's unsharded parameters still registered in the model when a
+  forward ends (a forward hook on each outermost FSDP unit, after FSDP's own), held in addition to the shards until
+  backward; the largest over the step's forwards. Parameters that are not the ones registered at rest are the gathered ones (with
   tensor parallelism they are DTensors too). Without FSDP: 0;
 - step_ms: the median wall time of `--steps` whole loop steps (`train_step`: reading the micro-batches, forward,
   backward, clip, optimizer step, zero_grad), each after a barrier, after `--warmup` steps and the memory step.
@@ -50,7 +51,6 @@ Overrides after `--` apply to every layout, after the default model (`DEFAULT_MO
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -59,17 +59,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.utils.hooks import RemovableHandle
 
-from memory import SavedTensors, local, local_bytes
+from memory import local, local_bytes
+from trainmesh.apps.plan.probes import GatheredParams, SavedActivations
 from trainmesh.config import ConfigError
 from trainmesh.core.env import DistEnv
 from trainmesh.job.spec import Job, load_config, resolve
@@ -131,131 +129,7 @@ CASES: tuple[Case, ...] = (
 """The layouts the planner is validated on: every one the CPU can run."""
 
 
-# -- what one rank measures ----------------------------------------------------------------------------------------
-@dataclass
-class _Live:
-    kind: str
-    nbytes: int
-    refs: int = 0
-
-
-class _Held:
-    """What autograd keeps for one saved tensor (the pack hook's result): the tensor, and a call for when autograd
-    lets go of it, which it does once the tensor's node has run in backward."""
-
-    __slots__ = ("release", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
-        self.tensor, self.release = tensor, release
-
-    def __del__(self) -> None:
-        self.release()
-
-
-class LiveSavedTensors(SavedTensors):
-    """`SavedTensors` (benchmarks/memory.py) with liveness: the peak of the bytes held for backward.
-
-    A storage counts from the first tensor saved on it until autograd has let go of the last one (the pack hook
-    hands autograd a `_Held`, whose deletion says so). A block's input counts from the block's forward pre-hook
-    until the gradient for it is computed, i.e. the block's backward is done: that is how long activation
-    checkpointing keeps it (and without checkpointing, ln_1 saves the same storage). Parameter storages are left
-    out. The blocks' hooks and the parameter test are `SavedTensors`'s."""
-
-    def __init__(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        super().__init__(model, blocks)
-        self.live: dict[int, _Live] = {}
-        self.now = {"act_blocks": 0, "act_outside": 0}
-        self.peak = 0
-        self.peak_split = dict(self.now)
-        self.grad_hooks: list[RemovableHandle] = []
-        self.closed = False
-
-    def _count(self, t: torch.Tensor, kind: str) -> Callable[[], None] | None:
-        """Count `t`'s storage as held (once however many tensors share it); returns what ends this hold, or None
-        for a storage that is not an activation."""
-        storage = local(t).untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self._param_storages():
-            return None
-        entry = self.live.get(key)
-        if entry is None:  # a new storage (a held one's address cannot be reused: the hold keeps it allocated)
-            entry = self.live[key] = _Live(kind, nbytes)
-            self.now[kind] += nbytes
-        entry.refs += 1
-        total = sum(self.now.values())
-        if total > self.peak:
-            self.peak, self.peak_split = total, dict(self.now)
-        return functools.partial(self._release, key)
-
-    def _release(self, key: int) -> None:
-        entry = self.live[key]
-        entry.refs -= 1
-        if entry.refs == 0:
-            self.now[entry.kind] -= entry.nbytes
-            del self.live[key]
-
-    def pack(self, t: torch.Tensor) -> Any:
-        release = self._count(t, self.where)
-        return t if release is None else _Held(t, release)
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Held) else packed
-
-    def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        del module
-        self.where = "act_blocks"
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.requires_grad and (release := self._count(arg, "act_blocks")):
-                self.grad_hooks.append(arg.register_hook(functools.partial(self._input_done, release)))
-
-    def _input_done(self, release: Callable[[], None], grad: torch.Tensor) -> None:
-        del grad
-        if not self.closed:
-            release()
-
-    def close(self) -> dict[str, int]:
-        """Stop watching; the peak, its split, and what is still held (after a whole step: 0, unless something
-        keeps a saved tensor past its backward)."""
-        self.closed = True
-        for handle in [*self.handles, *self.grad_hooks]:
-            handle.remove()
-        return {
-            "act_peak": self.peak,
-            "act_peak_blocks": self.peak_split["act_blocks"],
-            "act_peak_outside": self.peak_split["act_outside"],
-            "act_held_after_step": sum(self.now.values()),
-        }
-
-
-def outermost_fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The FSDP units of `module` that no other unit contains: the model, or each pipeline stage, under fsdp."""
-    if isinstance(module, FSDPModule):
-        return [module]
-    return [unit for child in module.children() for unit in outermost_fsdp_units(child)]
-
-
-class GatheredParams:
-    """The largest bytes of unsharded parameters FSDP still holds when a forward of an outermost unit ends."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.at_rest = {id(p) for p in model.parameters()}  # the shards (FSDP registers them between steps)
-        self.peak = 0
-        # Registered after fully_shard's own hooks, so these run after its post-forward resharding.
-        self.handles = [unit.register_forward_hook(self._after_forward) for unit in outermost_fsdp_units(model)]
-
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        del module, args, output
-        held = sum(local_bytes(p) for p in self.model.parameters() if id(p) not in self.at_rest)
-        self.peak = max(self.peak, held)
-
-    def close(self) -> int:
-        for handle in self.handles:
-            handle.remove()
-        return self.peak
-
-
+# -- what one rank measures --------------------------------------------------------------------------------------------
 def tensor_bytes(tensors: Iterator[Any]) -> int:
     return sum(local_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
 
@@ -290,7 +164,7 @@ class Trainer:
 def measure_memory(trainer: Trainer) -> dict[str, int]:
     """One step with every memory probe on: bytes per component on this rank (see the module docstring)."""
     model, optimizer = trainer.session.raw_model, trainer.session.optimizer
-    saved = LiveSavedTensors(model, find_blocks(model))
+    saved = SavedActivations(find_blocks(model))
     gathered = GatheredParams(model)
     grads: list[int] = []
 
@@ -304,7 +178,13 @@ def measure_memory(trainer: Trainer) -> dict[str, int]:
             trainer.step()
     finally:
         handle.remove()
-        activations, gathered_bytes = saved.close(), gathered.close()
+        peak, gathered_bytes = saved.close(), gathered.close()
+    activations = {
+        "act_peak": peak,
+        "act_peak_blocks": saved.peak_split["blocks"],
+        "act_peak_outside": saved.peak_split["outside"],
+        "act_held_after_step": sum(saved.now.values()),
+    }
     assert len(grads) == 1, f"the optimizer stepped {len(grads)} times in one step"
     return {
         "params": tensor_bytes(model.parameters()),

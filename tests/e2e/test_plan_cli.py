@@ -4,7 +4,10 @@ calibration of this machine and its reuse, and every bad input refused (exit 2) 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -150,3 +153,41 @@ def test_several_nodes_get_a_rendezvous_in_the_command(tmp_path: Path, capsys: p
     command = shlex.split(out.split("Recommended:")[1].splitlines()[1])
     assert command[command.index("--nnodes") + 1] == "2" and "--rdzv-endpoint" in command
     assert sum(o.startswith("--parallel.strategy=") for o in command) == 1  # the layout's, not also the user's
+
+
+SEVEN_B = (
+    *("--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096", "--model.vocab_size=32000"),
+    *("--model.block_size=4096", "--train.precision=bf16-mixed", "--train.global_batch_tokens=0"),
+)
+
+
+def test_check_dry_run_of_a_7b_job_at_64_ranks_allocates_nothing_of_its_size(tmp_path: Path) -> None:
+    """The 7B model's state alone is 100 GiB; the dry run of its fsdp(64) job here stays in a few hundred MiB and
+    agrees with the plan on every component."""
+    flags = ["--nproc-per-node", "8", "--nnodes", "8", "--rdzv-endpoint", "10.0.0.1:29400", "--cluster", "h100"]
+    layout = ["--parallel.strategy=fsdp", "--train.micro_batch=1", "--train.global_batch=128"]
+    script = (
+        "import resource, sys; from trainmesh.cli import main; code = main(sys.argv[1:]); "
+        "print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "check", "gpt", *SEVEN_B, *layout, *flags, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "dry run here (1 rank(s) of 64" in done.stdout
+    assert "the plan agrees within 5% on every component and the peak" in done.stdout, done.stdout
+    peak_line = next(line for line in done.stdout.splitlines() if line.strip().startswith("rank 0: peak"))
+    assert "GiB" in peak_line  # tens of GiB per rank of the real job...
+    maxrss_gib = int(done.stdout.split("maxrss_kib")[1].split()[0]) / 2**20
+    assert maxrss_gib < 2  # ...of which nothing is allocated here
+
+
+def test_check_dry_run_refuses_a_pipeline_before_building_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", "gpt", "--parallel.pp=2", "--nproc-per-node", "2", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "parallel.pp=2" in err and "dry run here" not in out

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from support import nano_toml
-from trainmesh.apps.plan.cluster import PRESETS, load_calibration, save_calibration
+from trainmesh.apps.plan.check import choose_gradient_mode
+from trainmesh.apps.plan.cluster import PRESETS, get_cluster, load_calibration, save_calibration
 from trainmesh.cli import main
+from trainmesh.job.spec import load_config, resolve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,3 +65,33 @@ def test_a_cluster_file_keeps_its_margin_and_span(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     old = load_calibration(path)
     assert old.memory_margin == 0.1 and old.efficiency_range == ()
+
+
+SEVEN_B = (
+    *("--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096", "--model.vocab_size=32000"),
+    *("--model.block_size=4096", "--train.precision=bf16-mixed", "--train.global_batch_tokens=0"),
+    "--parallel.strategy=fsdp",
+)
+
+
+@pytest.mark.parametrize(("micro_batch", "every"), [(1, False), (3, True)])
+def test_auto_gradient_mode_holds_whole_gradients_only_where_they_fit(micro_batch: int, every: bool) -> None:
+    """7B on 64 H100s, 12 sequences per rank: at micro-batch 1 whole gradients fit (44 GiB of 72) and save the
+    per-micro-step reduce-scatters; at 3 the activations triple and only sharded gradients fit (55 GiB; whole: 79)."""
+    overrides = [*SEVEN_B, "--train.global_batch=768", f"--train.micro_batch={micro_batch}"]
+    config = load_config(None, overrides, "gpt")
+    assert config.parallel.fsdp.reduce_every_microstep is None  # auto by default
+    jobs, why = choose_gradient_mode([resolve(config, 64), resolve(config, 128)], get_cluster("h100", 8, 8))
+    assert [job.config.parallel.fsdp.reduce_every_microstep for job in jobs] == [every, every]
+    assert why.startswith(f"parallel.fsdp.reduce_every_microstep=auto: {str(every).lower()} — whole gradients")
+    assert "usable 72.00 GiB of h100" in why
+
+
+def test_auto_gradient_mode_leaves_a_given_mode_and_says_nothing_where_nothing_is_decided() -> None:
+    cluster = get_cluster("h100", 8, 8)
+    given = ["--train.global_batch=1024", "--train.micro_batch=1", "--parallel.fsdp.reduce_every_microstep=true"]
+    jobs, why = choose_gradient_mode([resolve(load_config(None, [*SEVEN_B, *given], "gpt"), 64)], cluster)
+    assert jobs[0].config.parallel.fsdp.reduce_every_microstep is True and why == ""  # auto would pick false
+    one_step = ["--train.global_batch=1024", "--train.micro_batch=16"]  # no accumulation at 64 ranks
+    jobs, why = choose_gradient_mode([resolve(load_config(None, [*SEVEN_B, *one_step], "gpt"), 64)], cluster)
+    assert jobs[0].config.parallel.fsdp.reduce_every_microstep is False and why == ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from trainmesh.apps.plan.check import local_cluster, memory_lines
+from trainmesh.apps.plan.check import choose_gradient_mode, local_cluster, memory_lines
 from trainmesh.apps.plan.cluster import Cluster, get_cluster
 from trainmesh.config import ConfigError
 from trainmesh.job.launcher import launch_options, resolve_all
@@ -19,10 +19,17 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
     if start.run_dir is not None:
         print(start.describe())
-    for job in resolve_all(start.config, opts):
+    jobs, why = choose_gradient_mode(resolve_all(start.config, opts), target)
+    if why:
+        print(why)
+    for job in jobs:
         strategy, dims = job.layout
         print(f"world size {job.world_size}: OK — {strategy} on {dims.describe()}; {job.batch.describe()}")
         print("\n".join(memory_lines(job, target)))
+        if args.dry_run:
+            from trainmesh.apps.plan.dryrun import dry_run_lines  # torch's fake-tensor tools: only when asked
+
+            print("\n".join(dry_run_lines(job, target)))
     if args.cluster is None and opts.nnodes != "1":
         print("  (memory against this machine's devices: add --cluster h100, or a cluster file, for the target's)")
     return 0

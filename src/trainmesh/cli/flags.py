@@ -75,6 +75,14 @@ def _add_check_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
         default=d(None),
         help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
     )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=d(False),
+        help="also build the job at its world size here, on fake tensors and a fake process group, run one step of "
+        "a rank of each role and show its memory by component beside the prediction (gpt recipe, no pipelines; "
+        "seconds to minutes, nothing of the real size allocated)",
+    )
 
 
 def _add_parity_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:

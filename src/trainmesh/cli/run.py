@@ -8,6 +8,7 @@ import logging
 import shlex
 from pathlib import Path
 
+from trainmesh.apps.plan.check import choose_gradient_mode, local_cluster
 from trainmesh.config import Config
 from trainmesh.config.schema import RunConfig
 from trainmesh.job.launcher import check_this_machine, launch_into, launch_options, resolve_all
@@ -33,7 +34,9 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     own config (job/resume.py)."""
     opts = launch_options(args)
     start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
-    jobs = resolve_all(start.config, opts)  # before anything is written
+    jobs, why = choose_gradient_mode(resolve_all(start.config, opts), local_cluster(opts.nproc()))  # before writing
+    if why:
+        log.info("%s", why)
     config = jobs[0].config
     check_this_machine(config, opts)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id

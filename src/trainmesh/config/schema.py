@@ -128,9 +128,11 @@ class FSDPConfig:
     """Keep parameters, gradients and optimizer state in CPU memory; the optimizer steps on the CPU."""
     prefetch: int = 1
     """All-gather the next N blocks' parameters ahead, in forward and backward (0: FSDP's default)."""
-    reduce_every_microstep: bool = False
-    """With gradient accumulation: reduce-scatter after every micro-step, so gradients stay sharded (more
-    communication); false: hold whole gradients until the step's last micro-step (one reduce-scatter a step)."""
+    reduce_every_microstep: bool | None = None
+    """With gradient accumulation: true: reduce-scatter after every micro-step, so gradients stay sharded (more
+    communication); false: hold whole gradients until the step's last micro-step (one reduce-scatter a step); unset
+    or "auto": `trainmesh run` picks what fits this machine's devices and is faster, by the plan (a worker started
+    another way: false)."""
 
     def __post_init__(self) -> None:
         _at_least("parallel.fsdp.prefetch", self.prefetch, 0)

@@ -25,6 +25,15 @@ from trainmesh.strategies.mesh import ParallelMesh
 from trainmesh.strategies.plan import ParallelPlan
 
 
+def place(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` on `device`: moved only where a parameter or buffer is elsewhere (moving one in place would swap
+    every tensor, which the fake tensors of `trainmesh check --dry-run` cannot be)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device != device for t in tensors):
+        module.to(device)
+    return module
+
+
 @dataclass(frozen=True)
 class Objective:
     """What to compute on a batch. Forward and loss are separate steps, since a pipeline runs the
@@ -121,7 +130,7 @@ class Strategy(ABC):
                     "Fix: --parallel.tp=1 (use parallel.dp_shard or parallel.pp to spread the model instead)."
                 )
             if not on_meta:
-                module.to(self.device)
+                place(module, self.device)
             plan.tensor_parallel(module, tp_mesh)
         whole = self.compile and self.compiles_whole_model
         transform_blocks(

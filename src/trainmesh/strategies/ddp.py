@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainmesh.config.schema import DDPConfig
 from trainmesh.core.env import DistEnv
 from trainmesh.precision.base import Precision
-from trainmesh.strategies.base import Objective, Strategy
+from trainmesh.strategies.base import Objective, Strategy, place
 from trainmesh.strategies.mesh import ParallelMesh
 from trainmesh.strategies.powersgd import PowerSGD
 
@@ -74,7 +74,7 @@ class DDPStrategy(Strategy):
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         del blocks
-        module = module.to(self.device)
+        module = place(module, self.device)
         opts = self.options
         buffer_sync: Any = _buffer_sync_kwarg(opts.sync_buffers)
         dp_mesh = self.mesh.dp_mesh if self.mesh else None  # with pipeline stages: the replicas of this stage

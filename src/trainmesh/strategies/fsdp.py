@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from trainmesh.config.schema import FSDPConfig
 from trainmesh.core.env import DistEnv
-from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.base import Strategy, place
 from trainmesh.strategies.mesh import ParallelMesh
 
 
@@ -53,7 +53,7 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         if not self.options.cpu_offload and not any(p.is_meta for p in module.parameters()):
-            module = module.to(self.device)
+            module = place(module, self.device)
         assert self.mesh is not None
         dp_mesh = self.mesh.dp_mesh
         if dp_mesh is None:  # one replica (e.g. all ranks tensor-parallel): nothing to shard over
@@ -89,7 +89,7 @@ class FSDPStrategy(Strategy):
         if not (enabled and isinstance(module, FSDPModule)):
             yield
             return
-        every = self.options.reduce_every_microstep
+        every = bool(self.options.reduce_every_microstep)  # auto (None) unresolved by trainmesh run: whole
         hold = module.set_requires_all_reduce if every else module.set_requires_gradient_sync
         hold(False)
         try:

@@ -186,12 +186,15 @@ class PipelineStrategy(Strategy):
                 raise ValueError(shared_across_v_message(self.options.schedule, here))
         everyone: list[Any] = [None] * self.pp
         dist.all_gather_object(everyone, [bool(m) for m in mine], group=self.mesh.pp_group)
-        pipelines = self.mesh.device_mesh.mesh.reshape(self.pp, -1)  # (pp position, one column per pipeline)
+        # One pipeline per column: the mesh (pp, dp_replicate, dp_shard, tp) numbers ranks in that order, so pipeline
+        # position h of column c is rank h * columns + c (computed, not read from the mesh tensor, which a dry run
+        # makes fake)
+        columns = self.mesh.dims.world_size // self.pp
         for i, names_here in enumerate(mine):
             holders = [r for r in range(self.pp) if everyone[r][i]]
             if len(holders) < 2:
                 continue
-            ranks = [[int(pipelines[h, col]) for h in holders] for col in range(pipelines.shape[1])]
+            ranks = [[h * columns + col for h in holders] for col in range(columns)]
             group, _ = dist.new_subgroups_by_enumeration(ranks)  # collective: every rank makes every group
             if names_here:
                 self._tied.append((names[names_here[0]], group, self.pp_rank == holders[0]))

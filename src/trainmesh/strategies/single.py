@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainmesh.strategies.base import Strategy
+from trainmesh.strategies.base import Strategy, place
 
 
 class SingleDeviceStrategy(Strategy):
@@ -17,4 +17,4 @@ class SingleDeviceStrategy(Strategy):
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         del blocks
-        return module.to(self.device)
+        return place(module, self.device)

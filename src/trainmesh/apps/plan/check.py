@@ -14,6 +14,7 @@ from trainmesh.apps.plan.cluster import PRESETS, Cluster, GiB, size_unit
 from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, estimate_layout
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.config.schema import FSDPConfig
 from trainmesh.core.machine import host_memory
 from trainmesh.job.spec import Job
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -74,3 +75,50 @@ def memory_lines(job: Job, cluster: Cluster) -> list[str]:
             "checkpointing, a smaller train.micro_batch)."
         )
     return lines
+
+
+def choose_gradient_mode(jobs: list[Job], cluster: Cluster) -> tuple[list[Job], str]:
+    """`jobs` (one per world size of a launch) with parallel.fsdp.reduce_every_microstep=auto decided for `cluster`'s
+    devices, and a line that says what was chosen and why ('' where nothing was left to decide). Of the two modes,
+    the faster of those that fit; where neither fits, the one that needs less memory. Decided on the smallest world
+    size, where a rank holds the most (every world size runs with the same config)."""
+    smallest = min(jobs, key=lambda j: j.world_size)
+    fsdp = smallest.config.parallel.fsdp
+    if fsdp.reduce_every_microstep is not None:
+        return jobs, ""
+    held, sharded = _both_modes(smallest, cluster)
+    if held is None or sharded is None or held.candidate == sharded.candidate:  # nothing to decide here
+        every, why = False, ""
+    else:
+        fitting = [e for e in (held, sharded) if e.fits]
+        best = min(fitting, key=lambda e: e.step_time) if fitting else min((held, sharded), key=_total)
+        every = best is sharded
+        unit, scale = size_unit(max(held.total_memory, sharded.total_memory))
+        why = (
+            f"parallel.fsdp.reduce_every_microstep=auto: {str(every).lower()} — whole gradients "
+            f"{held.total_memory / scale:.2f} {unit} per rank, {held.step_time:.3g} s a step; sharded "
+            f"{sharded.total_memory / scale:.2f} {unit}, {sharded.step_time:.3g} s; usable "
+            f"{cluster.usable_memory / scale:.2f} {unit}{where_from(cluster)} (trainmesh plan's estimate)"
+        )
+    chosen = dataclasses.replace(fsdp, reduce_every_microstep=every)
+    return [_with_fsdp(job, chosen) for job in jobs], why
+
+
+def _total(est: Estimate) -> float:
+    return est.total_memory
+
+
+def _both_modes(job: Job, cluster: Cluster) -> tuple[Estimate | None, Estimate | None]:
+    """The estimates of `job` holding whole gradients and reduce-scattering every micro-step (None: not planned)."""
+    held = predict(
+        _with_fsdp(job, dataclasses.replace(job.config.parallel.fsdp, reduce_every_microstep=False)), cluster
+    )
+    every = dataclasses.replace(job.config.parallel.fsdp, reduce_every_microstep=True)
+    return held, predict(_with_fsdp(job, every), cluster)
+
+
+def _with_fsdp(job: Job, fsdp: FSDPConfig) -> Job:
+    config = job.config
+    return dataclasses.replace(
+        job, config=dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, fsdp=fsdp))
+    )

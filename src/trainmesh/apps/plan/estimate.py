@@ -148,16 +148,21 @@ def stage_memory(
     sent = spec.seq * piece * spec.n_embd * stream
 
     gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
-    temporaries = 0.0
+    # Two moments of backward can be the peak. The loss's, on the last stage: everything saved is still held, and the
+    # gradient of the (whole-vocabulary, fp32) logits exists twice, nll_loss's and log_softmax's. Then the last
+    # block's: under fsdp the units it gathers, with checkpointing its recomputed activations (the dry run finds
+    # them on top of nearly all the saved activations still).
+    logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
+    blocks_backward = act.recompute_peak if checkpointed else 0.0
     if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
-        # backward) and its gradients; the block computing, the one prefetched and the block's gradients
+        # backward) and its gradients; the block computing, the one prefetched and the block's gradients (which,
+        # while they accumulate unsharded, are in `grads` already)
         root = _bytes([p for p in held if p.block is None], cand.tp, 1, 1)
         in_blocks = {p.block for p in held if p.block is not None}
         block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
-        temporaries += (root + 2 * block) * precision.gather + (root + block) * precision.weight
-    temporaries += act.recompute_peak if checkpointed else 0
-    if last:  # the logits' gradient, alive at the start of backward
-        temporaries += 4.0 * spec.seq * piece * spec.vocab
+        blocks_backward += (root + 2 * block) * precision.gather
+        blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.weight
+    temporaries = max(2 * logits, blocks_backward)
     if cand.pp > 1:  # send and receive buffers
         temporaries += 2.0 * sent * (2 if not first and not last else 1)
     parts = {

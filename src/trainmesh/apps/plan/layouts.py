@@ -111,7 +111,7 @@ class Candidate:
             and dims.pp == 1
             and dims.dp_shard > 1
             and job.batch.accum_steps > 1
-            and par.fsdp.reduce_every_microstep,
+            and bool(par.fsdp.reduce_every_microstep),  # auto, unresolved: what a worker does, false
         )
 
     def config(self, base: Config, global_batch: int) -> Config:
@@ -129,7 +129,9 @@ class Candidate:
                 par.fsdp,
                 reshard_after_forward=self.kind != "fsdp-grad-op",
                 cpu_offload=self.kind == "fsdp-offload",
-                reduce_every_microstep=self.reduce_every_microstep,
+                reduce_every_microstep=(
+                    self.reduce_every_microstep if self.strategy == "fsdp" else par.fsdp.reduce_every_microstep
+                ),
             ),
         )
         if self.pp > 1:

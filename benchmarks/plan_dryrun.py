@@ -1,0 +1,122 @@
+"""The planner against the dry run at 8, 64 and 512 ranks: memory per rank by component for every layout
+`trainmesh plan` enumerates, predicted (`trainmesh.apps.plan.estimate.stage_memory`) and measured on fake tensors and
+a fake process group (`trainmesh.apps.plan.dryrun`, what `trainmesh check --dry-run` runs). Nothing here needs a GPU
+or a cluster.
+
+For each model and world size it takes `plan_layouts` on the `h100` preset (one layout per kind, degrees, activation
+checkpointing and gradient mode, each at the micro-batch the plan picks), resolves each to the job `trainmesh run`
+would run (`Candidate.job`), dry-runs rank 0 of it with 2 of its accumulation micro-steps (the first holds what every
+micro-step before the last holds, see dryrun.run_rank) and compares each component. Pipelines are listed, not run:
+the dry run does not build them yet (dryrun.dry_run_job says why). Each layout runs in a fresh process.
+
+Models: GPT-2 124M (vocabulary 50304, context 1024, global batch 512 sequences) and a GPT-shaped 7B (32 × 4096, 32
+heads, vocabulary 32000, context 4096, global batch 1024), both bf16-mixed, as in benchmarks/plan_scaling.py.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_dryrun.py [--models gpt2 gpt7b] [--world-sizes 8 64 512]
+        [--workers 2] [--json docs/plan_dryrun.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from plan_scaling import MODELS, cluster_for
+from trainmesh.apps.plan.dryrun import COMPONENTS, TOLERANCE, compare, dry_run
+from trainmesh.apps.plan.search import Workload, plan_layouts
+from trainmesh.job.spec import load_config
+
+MiB = 2**20
+WORLD_SIZES = (8, 64, 512)
+
+
+def layouts(model_key: str, world_size: int) -> list[dict[str, Any]]:
+    """The layouts the plan enumerates for the model at `world_size`, as overrides `trainmesh run` takes."""
+    model = next(m for m in MODELS if m.key == model_key)
+    config = load_config(None, list(model.overrides), "gpt")
+    work = Workload.from_config(config, model.strong_batch)
+    out = []
+    for est in plan_layouts(config, work, cluster_for(world_size)):
+        cand = est.candidate
+        out.append(
+            {
+                "model": model_key,
+                "world_size": world_size,
+                "layout": cand.name,
+                "micro_batch": cand.micro_batch,
+                "pp": cand.pp,
+                "overrides": [*model.overrides, *cand.overrides(model.strong_batch)],
+            }
+        )
+    return out
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """Dry-run one layout and compare it with the plan (in a worker process of its own)."""
+    if row["pp"] > 1:
+        return {**row, "skipped": "pipeline (not built by the dry run yet)"}
+    from trainmesh.job.spec import resolve
+
+    config = load_config(None, row["overrides"], "gpt")
+    job = resolve(config, row["world_size"])
+    run = dry_run(job, micro_steps=2)
+    (comparison,) = compare(run, config, cluster_for(row["world_size"]))
+    return {
+        **row,
+        "accum_steps": job.batch.accum_steps,
+        "seconds": round(comparison.rank.seconds, 2),
+        "predicted_MiB": {k: round(v / MiB, 2) for k, v in comparison.predicted.items()},
+        "measured_MiB": {k: round(v / MiB, 2) for k, v in comparison.measured.items()},
+        "error": {k: round(comparison.error(k), 4) for k in comparison.predicted},
+        "disagree": comparison.disagreements(),
+    }
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model and world size: layouts run, how many agree on every component, the largest error of each."""
+    lines = []
+    for key in dict.fromkeys(r["model"] for r in rows):
+        for world in dict.fromkeys(r["world_size"] for r in rows if r["model"] == key):
+            group = [r for r in rows if r["model"] == key and r["world_size"] == world]
+            run = [r for r in group if "error" in r]
+            agree = sum(not r["disagree"] for r in run)
+            worst = {part: max((r["error"][part] for r in run), default=0.0) for part in (*COMPONENTS, "peak")}
+            worst_text = ", ".join(f"{part} {err:.1%}" for part, err in worst.items())
+            lines.append(f"| {key} | {world} | {len(group)} | {len(run)} | {agree} | {worst_text} |")
+    return [
+        f"| model | ranks | layouts | dry-run | all within {TOLERANCE:.0%} | largest error per component |",
+        "|---|---|---|---|---|---|",
+        *lines,
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=[m.key for m in MODELS])
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("docs/plan_dryrun.json"))
+    args = parser.parse_args()
+    todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=context, max_tasks_per_child=1) as pool:
+        for row in pool.map(measure, todo):
+            rows.append(row)
+            note = row.get("skipped") or (", ".join(row["disagree"]) or "agrees")
+            print(
+                f"{row['model']} {row['world_size']:4d} {row['layout']:32s} mb {row['micro_batch']:3d}: {note}",
+                flush=True,
+            )
+    args.json.write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - start)}, indent=1) + "\n")
+    print("\n".join(summary(rows)))
+
+
+if __name__ == "__main__":
+    main()

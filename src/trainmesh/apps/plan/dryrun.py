@@ -1,0 +1,270 @@
+"""The dry run of `trainmesh check --dry-run`: the real job at its real world size, on this one machine. For one rank
+of each pipeline stage it builds what a trainmesh run builds (`job.runtime()`, the recipe's model on the meta device,
+`runtime.setup` with the recipe's parallel plan, `build_optimizer`) on the fake process group with fake tensors
+(fake.py), runs one optimizer step through the strategy (its micro-steps' forward and backward, clipping, the
+optimizer step), and reports what PyTorch's memory trackers saw: the most bytes of each component held at any
+moment, and the step's peak. Nothing of the real size is allocated; the planner's prediction for the same rank
+(estimate.stage_memory) stands beside it.
+
+Details: docs/internals.md#appsplandryrunpy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainmesh.apps.plan.check import where_from
+from trainmesh.apps.plan.cluster import Cluster, GiB, size_unit
+from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory
+from trainmesh.apps.plan.fake import LiveBytes, fake_rank, quiet
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.probes import GatheredParams, SavedActivations, optimizer_bytes, storage_bytes
+from trainmesh.config import Config, ConfigError
+from trainmesh.core.env import DistEnv
+from trainmesh.core.machine import host_memory
+from trainmesh.job.spec import Job, resolve
+from trainmesh.recipes.gpt.model import GPTConfig
+from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies.blocks import find_blocks
+from trainmesh.train.optim import build_optimizer
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries")
+"""The planner's memory parts (estimate.MEMORY_PARTS) less its constant overhead, which nothing in a step allocates."""
+TOLERANCE = 0.05
+"""The planner and the dry run agree on a component when they differ by at most this fraction of the larger."""
+RUN_AS = {"16-mixed": "bf16-mixed", "fp8-mixed": "bf16-mixed"}
+"""Precisions the fake CPU step runs as another that holds the same bytes: fp16's loss scaler reads its overflow
+flag on the host (a fake tensor has no value), and float8 kernels need a GPU; both keep fp32 weights, gradients and
+AdamW state and 16-bit activations, as bf16-mixed does."""
+
+
+def bookkeeping_bytes(world_size: int) -> float:
+    """Host memory a dry run takes here, whatever the model's size: torch itself and the fake step (about 350 MiB
+    for a 7B model at 64 and at 512 ranks), and per rank of the world its process-group and shard-view objects
+    (measured at under 5 KiB; 8 KiB counted)."""
+    return 0.5 * GiB + 8 * 1024 * world_size
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank held during its step, in bytes."""
+
+    rank: int
+    stage: int
+    """Its pipeline stage (0 without a pipeline)."""
+    components: dict[str, int]
+    """By COMPONENTS: parameters (and buffers) and optimizer state as they are all step; the most gradient bytes
+    held between micro-steps and as the optimizer starts; the peak of autograd's saved tensors (probes.py); FSDP's
+    gathered parameters held after forward; temporaries: the peak less all of those."""
+    peak: int
+    """The most bytes held at any moment, all components together."""
+    seconds: float
+    """Wall time to build and run this rank here."""
+
+
+@dataclass(frozen=True)
+class DryRun:
+    job: Job
+    """The job as it ran: on the meta device first, on the CPU, in a precision of the same bytes (RUN_AS)."""
+    ranks: list[RankMemory]
+    micro_steps: int
+
+    @property
+    def most_loaded(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+
+def dry_run_job(job: Job) -> Job:
+    """`job` as the dry run builds it: its model on the meta device (materialised as fake tensors after sharding), on
+    the CPU over the fake group, uncompiled, in RUN_AS's precision. Refuses what it cannot build, naming the key."""
+    config = job.config
+    if not isinstance(config.model, GPTConfig):
+        raise ConfigError(
+            f"trainmesh check --dry-run runs the gpt recipe, not run.recipe={config.run.recipe!r}. Fix: check "
+            "without --dry-run (its memory line is the plan's prediction where the recipe has one)."
+        )
+    if job.layout.dims.pp > 1:
+        raise ConfigError(
+            f"trainmesh check --dry-run does not build pipelines yet (parallel.pp={job.layout.dims.pp}): torch's "
+            "pipeline stages learn their neighbours' shapes at the first step from values sent between ranks, which "
+            "the fake process group does not carry. Fix: check without --dry-run (the plan's memory line), or dry-run "
+            "the layout with --parallel.pp=1 to see the blocks' memory."
+        )
+    need = bookkeeping_bytes(job.world_size)
+    if need > host_memory():
+        raise ConfigError(
+            f"a dry run at {job.world_size:,} ranks would need about {need / GiB:.1f} GiB of this machine's memory for "
+            f"its bookkeeping (process groups and FSDP's shard views per rank of the world), and it has "
+            f"{host_memory() / GiB:.1f} GiB. Fix: dry-run a smaller world size (--nnodes, --nproc-per-node) with the "
+            "same per-rank shapes (the same parallel.tp, micro-batch and shard sizes)."
+        )
+    train = dataclasses.replace(
+        config.train, precision=RUN_AS.get(config.train.precision, config.train.precision), compile=False
+    )
+    run_as = dataclasses.replace(
+        config,
+        train=train,
+        parallel=dataclasses.replace(config.parallel, meta_init=True),
+        dist=dataclasses.replace(config.dist, device="cpu", backend="auto"),
+    )
+    return resolve(run_as, job.world_size)
+
+
+def stage_ranks(job: Job) -> list[int]:
+    """The first rank of each pipeline stage (the device mesh's order is pp, dp_replicate, dp_shard, tp): ranks
+    of a stage hold the same shapes (FSDP pads shards to one size; tensor-parallel ranks split heads and the
+    vocabulary evenly) and differ only in their data."""
+    dims = job.layout.dims
+    per_stage = dims.world_size // dims.pp
+    return [stage * per_stage for stage in range(dims.pp)]
+
+
+def dry_run(job: Job, micro_steps: int | None = 2, stages: list[int] | None = None) -> DryRun:
+    """Run one step of every pipeline stage of `job` (or of `stages`) here. `micro_steps`: of the step's
+    accumulation micro-steps, how many to run (None: all; 2, the default, shows the memory of any number, see
+    run_rank)."""
+    fake = dry_run_job(job)
+    steps = fake.batch.accum_steps if micro_steps is None else max(1, min(micro_steps, fake.batch.accum_steps))
+    ranks = stage_ranks(fake)
+    chosen = range(len(ranks)) if stages is None else stages
+    return DryRun(fake, [run_rank(fake, ranks[stage], stage, steps) for stage in chosen], steps)
+
+
+def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
+    """One rank's step under the trackers. The optimizer's state is created first (AdamW makes it at its first
+    step), so the tracked step holds what every later step holds. Micro-steps before the last accumulate without
+    synchronising (the strategy's no_sync) and hold what the first of them holds, so 2 show the memory of any
+    number."""
+    start = time.perf_counter()
+    dims = job.layout.dims
+    env = DistEnv(rank, rank % dims.world_size, dims.world_size, dims.world_size, "127.0.0.1", 0, "adopted")
+    with fake_rank(rank, dims.world_size) as fake_tensors, quiet():
+        runtime = job.runtime(env)
+        with torch.device("meta"):
+            whole = job.recipe.build_model(job.config, runtime)
+        with fake_tensors:
+            memory = _step(job, runtime, whole, micro_steps)
+        runtime.teardown()
+    return RankMemory(rank, stage, *memory, time.perf_counter() - start)
+
+
+def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tuple[dict[str, int], int]:
+    """Set the model up as a run does and measure one step: each component's most bytes (COMPONENTS) and the peak."""
+    model = runtime.setup(whole, plan=job.recipe.parallel_plan(whole))
+    raw = runtime.unwrap(model)
+    optimizer = build_optimizer(raw, job.config.optim, runtime.device)
+    _create_optimizer_state(raw, optimizer)
+    objective = job.recipe.objective()
+    shape = (job.batch.micro_batch, job.batch.tokens_per_sample)
+    batch = (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
+    scale = 1.0 / (job.batch.global_batch * job.batch.tokens_per_sample)
+    state = storage_bytes([*raw.parameters(), *raw.buffers()]), optimizer_bytes(optimizer)  # the same all step
+    saved, gathered = SavedActivations(find_blocks(raw)), GatheredParams(raw)
+    held: list[int] = []  # between micro-steps and as the optimizer starts, what is held beside the state: gradients
+    live = LiveBytes(raw, optimizer)
+    with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        hook = optimizer.register_step_pre_hook(lambda *_: held.append(live.current() - sum(state)))
+        for i in range(micro_steps):
+            with runtime.no_sync(model, enabled=i < micro_steps - 1):
+                runtime.strategy.forward_backward(model, batch, objective, lambda: scale, runtime.precision)
+            held.append(live.current() - sum(state))
+        runtime.clip_grad_norm(model, optimizer, job.config.train.grad_clip)
+        runtime.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        hook.remove()
+    parts = {
+        "params": state[0],
+        "grads": max(held),
+        "optimizer": state[1],
+        "activations": saved.close(),
+        "gathered": gathered.close(),
+    }
+    peak = live.peak()
+    return {**parts, "temporaries": max(0, peak - sum(parts.values()))}, peak
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on zero gradients: the state AdamW creates at its first step, without a forward."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The planner's prediction for a rank beside the dry run's measurement, in bytes."""
+
+    rank: RankMemory
+    predicted: dict[str, float]
+    """By COMPONENTS, and 'peak': their sum (the planner's total less its constant overhead)."""
+
+    @property
+    def measured(self) -> dict[str, float]:
+        return {**self.rank.components, "peak": float(self.rank.peak)}
+
+    def error(self, part: str) -> float:
+        """|predicted − measured| over the larger of the two (0 when both are 0)."""
+        p, m = self.predicted[part], self.measured[part]
+        return abs(p - m) / max(p, m) if max(p, m) else 0.0
+
+    def disagreements(self, tolerance: float = TOLERANCE) -> list[str]:
+        return [part for part in (*COMPONENTS, "peak") if self.error(part) > tolerance]
+
+
+def compare(run: DryRun, config: Config, cluster: Cluster) -> list[Comparison]:
+    """The planner's memory for each rank of `run` (its stage, the job's layout and accumulation), from `config`:
+    the job as the user asked for it (the plan predicts 16-mixed as bf16-mixed too; fp8-mixed it refuses)."""
+    job = run.job
+    cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
+    precision = PrecisionBytes(RUN_AS.get(config.train.precision, config.train.precision))
+    out = []
+    for rank in run.ranks:
+        parts, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, rank.stage)
+        # Offloaded state lives in host memory, where the fake step on this CPU puts everything. Gradients are on
+        # the device while they accumulate, in host memory once reduced: never both at once.
+        predicted = {part: parts[part] + host.get(part, 0.0) for part in COMPONENTS}
+        predicted["grads"] = max(parts["grads"], host.get("grads", 0.0))
+        out.append(Comparison(rank, {**predicted, "peak": sum(predicted.values())}))
+    return out
+
+
+def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
+    """`trainmesh check --dry-run`'s report for `job`: each rank's memory by component, and where the planner's
+    prediction differs from it by more than TOLERANCE."""
+    run = dry_run(job)
+    seconds = sum(r.seconds for r in run.ranks)
+    lines = [
+        f"  dry run here ({len(run.ranks)} rank(s) of {job.world_size} on fake tensors and a fake process group, "
+        f"{run.micro_steps} micro-step(s), {seconds:.1f} s):"
+    ]
+    for comparison in compare(run, job.config, cluster):
+        rank, measured = comparison.rank, comparison.measured
+        unit, scale = size_unit(measured["peak"])
+        parts = ", ".join(f"{part} {measured[part] / scale:.2f}" for part in COMPONENTS)
+        lines.append(f"    rank {rank.rank}: peak {measured['peak'] / scale:.2f} {unit} = {parts} {unit}")
+        off = comparison.disagreements()
+        if not off:
+            lines.append(f"    the plan agrees within {TOLERANCE:.0%} on every component and the peak")
+        for part in off:
+            predicted = comparison.predicted[part] / scale
+            lines.append(
+                f"    the plan differs on {part}: {predicted:.2f} {unit} predicted, {measured[part] / scale:.2f} "
+                f"{unit} here ({comparison.error(part):.0%})"
+            )
+    most = run.most_loaded.peak
+    if most > cluster.usable_memory:
+        unit, scale = size_unit(most)
+        usable = cluster.usable_memory / scale
+        lines.append(
+            f"  WARNING: the dry run's peak, {most / scale:.2f} {unit}, is more than the {usable:.2f} {unit} usable "
+            f"per {cluster.device} rank{where_from(cluster)}. Fix: see `trainmesh plan` for layouts that fit."
+        )
+    return lines

@@ -1,0 +1,158 @@
+"""The private PyTorch tools behind `trainmesh check --dry-run`, kept in this one module (written against torch 2.13):
+the fake process group (`torch.testing._internal.distributed.fake_pg`: one process plays one rank of any world size,
+no collective moves data), `FakeTensorMode` (tensors with shapes, dtypes and devices but no storage), and the memory
+tracker of `torch.distributed._tools` (`MemTracker`: every live storage, from torch's own dispatch). What this module
+adapts, and why, is in `fake_rank`'s and `LiveBytes`'s docstrings.
+
+Details: docs/internals.md#appsplanfakepy
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp_module
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+TOTAL = "Total"
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[FakeTensorMode]:
+    """This process as rank `rank` of `world_size` on the fake process group, and the FakeTensorMode to enter for
+    the model and its step (tensors created in it are fake; a model built on the meta device gets fake storage when
+    it is materialised). The Runtime is made before entering it (its device mesh is made of real rank numbers).
+    torch's own code is adapted for the block, because it reads tensor values that fake tensors and the fake group
+    do not have:
+
+    - a DeviceMesh that FSDP makes from the Runtime's (tensor parallelism's and FSDP's dimensions together)
+      computes its coordinates outside fake mode;
+    - DDP compares parameter shapes across ranks and reads the futures of its all-reduces: no check (the ranks
+      build one model), and an async all-reduce returns its own input as the result;
+    - DTensor works out the global shape of an op's result on fake tensors of that shape: in a fake mode of its
+      own, so that the tracker does not count them (in a real run they are fake too);
+    - object collectives (the pipeline's tied-weight discovery) answer with this rank's own object, what a
+      peer of the same role sends.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process of its own: this one has a process group already")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with _patched():
+            yield FakeTensorMode(allow_non_fake_inputs=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _patched() -> Iterator[None]:
+    originals: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    mesh_init = DeviceMesh.__init__
+
+    @functools.wraps(mesh_init)
+    def real_mesh_init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    all_reduce = dist.all_reduce
+
+    def done_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = all_reduce(tensor, *args, **kwargs)
+        return _Done(tensor) if kwargs.get("async_op") else work
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    shapes = FakeTensorMode(allow_non_fake_inputs=True)  # DTensor's global-shape tensors: no rank's memory
+
+    @functools.wraps(propagate)
+    def propagate_apart(self: ShardingPropagator, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), shapes:  # the tracker counts the rank's fake mode only
+            return propagate(self, *args, **kwargs)
+
+    patch(DeviceMesh, "__init__", real_mesh_init)
+    patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_apart)
+    patch(ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
+    patch(dist, "all_reduce", done_all_reduce)
+    patch(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+    patch(dist, "broadcast_object_list", lambda objects, src=None, group=None, **kwargs: None)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """torch's warnings about the model (FSDP's note on views of outputs, DTensor's on sequential all-reduces), which
+    a run prints once and a dry run would print for every rank: the run's own are where they belong."""
+    chatty = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = chatty.level
+    chatty.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        chatty.setLevel(level)
+
+
+class _Done:
+    """The work of an all-reduce that is done: its future holds the tensor, as gloo's and NCCL's do."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self.future.set_result([tensor])
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self.future
+
+
+class LiveBytes(MemTracker):
+    """torch's MemTracker, for what it sees of every storage alive: `current()` and `peak()`, in bytes, all devices
+    together (its breakdown by when a storage was made is not the planner's components: probes.py measures those).
+    MemTracker refuses a module called twice at the top level (it keeps per-module statistics of one iteration):
+    micro-steps and pipeline pieces do that, so those statistics, which nothing here reads, are cleared first."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.track_external(model, optimizer)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        del peak_state  # the peak of all storages only: the per-module peaks cost a pass over every module per op
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap[TOTAL]:
+                self._peak_mem[device] = snap[TOTAL]
+                self._peak_mem_snap[device] = dict(snap)
+
+    def current(self) -> int:
+        return sum(snap.get(TOTAL, 0) for snap in self.get_tracker_snapshot("current").values())
+
+    def peak(self) -> int:
+        return sum(snap.get(TOTAL, 0) for snap in self.get_tracker_snapshot("peak").values())

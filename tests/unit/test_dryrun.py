@@ -1,0 +1,83 @@
+"""`trainmesh check --dry-run`: the job built at its real world size on fake tensors and the fake process group, one
+step of rank 0, its memory by component against the planner's (cases of docs/plan_dryrun.json's table)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainmesh.apps.plan.cluster import get_cluster
+from trainmesh.apps.plan.dryrun import COMPONENTS, compare, dry_run, dry_run_job
+from trainmesh.config import ConfigError
+from trainmesh.job.spec import load_config, resolve
+
+GPT2 = ("--model.size=gpt2", "--model.vocab_size=50304", "--model.block_size=1024", "--train.precision=bf16-mixed")
+PARAMS = 124_475_904  # GPT-2 124M with the 50304 vocabulary (tied head)
+MiB = 2**20
+
+
+def _run(world_size: int, *overrides: str) -> tuple[dict[str, float], dict[str, float]]:
+    config = load_config(None, [*GPT2, "--train.global_batch_tokens=0", *overrides], "gpt")
+    run = dry_run(resolve(config, world_size))
+    (comparison,) = compare(run, config, get_cluster("h100", max(1, world_size // 8), min(8, world_size)))
+    assert not comparison.disagreements(), {
+        part: (round(comparison.predicted[part] / MiB), round(comparison.measured[part] / MiB))
+        for part in comparison.disagreements()
+    }
+    return comparison.measured, comparison.predicted
+
+
+def test_ddp_at_8_holds_whole_state_and_agrees_with_the_plan() -> None:
+    measured, _ = _run(8, "--parallel.strategy=ddp", "--train.micro_batch=2", "--train.global_batch=32")
+    assert measured["params"] == 4 * PARAMS  # fp32 weights, whole on every replica
+    assert measured["optimizer"] == pytest.approx(8 * PARAMS, rel=1e-4)  # two moments (and a step per tensor)
+    assert measured["grads"] == pytest.approx(4 * PARAMS, rel=1e-3)
+
+
+@pytest.mark.parametrize("every_microstep", [False, True])
+def test_fsdp_at_64_keeps_gradients_sharded_only_when_it_reduces_every_microstep(every_microstep: bool) -> None:
+    """Accumulating 2 micro-steps: gradients held whole between them (ZeRO-3 undone), or reduce-scattered at once."""
+    measured, _ = _run(
+        64,
+        "--parallel.strategy=fsdp",
+        f"--parallel.fsdp.reduce_every_microstep={str(every_microstep).lower()}",
+        "--train.micro_batch=1",
+        "--train.global_batch=128",
+    )
+    whole = 4 * PARAMS
+    assert measured["grads"] == pytest.approx(whole / 64 if every_microstep else whole, rel=0.02)
+    assert measured["params"] == pytest.approx(whole / 64, rel=0.02)
+
+
+def test_hybrid_sharding_with_tensor_parallelism_and_checkpointing_at_512() -> None:
+    measured, predicted = _run(
+        512,
+        "--parallel.strategy=fsdp",
+        "--parallel.tp=4",
+        "--parallel.dp_replicate=16",
+        "--parallel.dp_shard=8",
+        "--parallel.activation_checkpointing=1",
+        "--train.micro_batch=1",
+        "--train.global_batch=128",
+    )
+    assert set(measured) == set(predicted) == {*COMPONENTS, "peak"}
+    assert measured["params"] == pytest.approx(4 * PARAMS / 32, rel=0.05)  # over 8 shards × 4 tensor-parallel ranks
+
+
+def test_what_it_cannot_build_is_refused_naming_the_key() -> None:
+    pipeline = load_config(None, [*GPT2, "--parallel.pp=2", "--train.global_batch_tokens=0"], "gpt")
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2"):
+        dry_run_job(resolve(pipeline, 8))
+    resnet = load_config(None, [], "resnet")
+    with pytest.raises(ConfigError, match=r"run\.recipe='resnet'"):
+        dry_run_job(resolve(resnet, 8))
+
+
+def test_a_world_too_large_for_this_machines_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainmesh.apps.plan.dryrun as dryrun
+
+    monkeypatch.setattr(dryrun, "host_memory", lambda: 0.9 * 2**30)  # 64k ranks need 1 GiB
+    config = load_config(
+        None, [*GPT2, "--train.global_batch_tokens=0", "--train.micro_batch=1", "--train.global_batch=65536"], "gpt"
+    )
+    with pytest.raises(ConfigError, match=r"65,536 ranks would need about 1\.0 GiB.*has 0\.9 GiB"):
+        dry_run_job(resolve(config, 65536))

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -155,38 +157,55 @@ def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
 
 
 def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tuple[dict[str, int], int]:
-    """Set the model up as a run does and measure one step: each component's most bytes (COMPONENTS) and the peak."""
-    model = runtime.setup(whole, plan=job.recipe.parallel_plan(whole))
+    """Set the model up as a run does and measure one step: each component's most bytes (COMPONENTS) and the peak.
+    Tracked from the set-up on: what it leaves allocated (DDP's gradient buckets, say) is memory the step holds."""
+    live = LiveBytes()
+    with live:
+        model = runtime.setup(whole, plan=job.recipe.parallel_plan(whole))
+        raw = runtime.unwrap(model)
+        optimizer = build_optimizer(raw, job.config.optim, runtime.device)
+        _create_optimizer_state(raw, optimizer)
+        shape = (job.batch.micro_batch, job.batch.tokens_per_sample)
+        batch = (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))  # ids and targets
+        # the same all step: parameters (and buffers), optimizer state, the batch (which the plan counts in the
+        # activations: the embedding and the loss save it)
+        params, state = storage_bytes([*raw.parameters(), *raw.buffers()]), optimizer_bytes(optimizer)
+        steady = params + state + storage_bytes(batch)
+        live.reset_peak()
+        held = _one_step(job, runtime, model, optimizer, batch, micro_steps, lambda: live.current() - steady)
+        saved, gathered = held.pop()
+    parts = {"params": params, "grads": max(held), "optimizer": state, "activations": saved, "gathered": gathered}
+    peak = live.peak()
+    return {**parts, "temporaries": max(0, peak - sum(parts.values()))}, peak
+
+
+def _one_step(
+    job: Job,
+    runtime: Runtime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    micro_steps: int,
+    beside_state: Callable[[], int],
+) -> list[Any]:
+    """The step, as the loop runs it through the strategy: what is held beside the state between micro-steps and as
+    the optimizer starts (the gradients), then (the peak of saved activations, the gathered parameters)."""
     raw = runtime.unwrap(model)
-    optimizer = build_optimizer(raw, job.config.optim, runtime.device)
-    _create_optimizer_state(raw, optimizer)
-    objective = job.recipe.objective()
-    shape = (job.batch.micro_batch, job.batch.tokens_per_sample)
-    batch = (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
-    scale = 1.0 / (job.batch.global_batch * job.batch.tokens_per_sample)
-    state = storage_bytes([*raw.parameters(), *raw.buffers()]), optimizer_bytes(optimizer)  # the same all step
     saved, gathered = SavedActivations(find_blocks(raw)), GatheredParams(raw)
-    held: list[int] = []  # between micro-steps and as the optimizer starts, what is held beside the state: gradients
-    live = LiveBytes(raw, optimizer)
-    with live, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        hook = optimizer.register_step_pre_hook(lambda *_: held.append(live.current() - sum(state)))
+    objective = job.recipe.objective()
+    scale = 1.0 / (job.batch.global_batch * job.batch.tokens_per_sample)
+    held: list[Any] = []
+    hook = optimizer.register_step_pre_hook(lambda *_: held.append(beside_state()))
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         for i in range(micro_steps):
             with runtime.no_sync(model, enabled=i < micro_steps - 1):
                 runtime.strategy.forward_backward(model, batch, objective, lambda: scale, runtime.precision)
-            held.append(live.current() - sum(state))
+            held.append(beside_state())
         runtime.clip_grad_norm(model, optimizer, job.config.train.grad_clip)
         runtime.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        hook.remove()
-    parts = {
-        "params": state[0],
-        "grads": max(held),
-        "optimizer": state[1],
-        "activations": saved.close(),
-        "gathered": gathered.close(),
-    }
-    peak = live.peak()
-    return {**parts, "temporaries": max(0, peak - sum(parts.values()))}, peak
+    hook.remove()
+    return [*held, (saved.close(), gathered.close())]
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -128,14 +128,11 @@ class _Done:
 
 
 class LiveBytes(MemTracker):
-    """torch's MemTracker, for what it sees of every storage alive: `current()` and `peak()`, in bytes, all devices
-    together (its breakdown by when a storage was made is not the planner's components: probes.py measures those).
+    """torch's MemTracker, for what it sees of every storage made while it is entered and still alive: `current()`
+    and `peak()` (since `reset_peak()`), in bytes, all devices together (its breakdown by when a storage was made is
+    not the planner's components: probes.py measures those).
     MemTracker refuses a module called twice at the top level (it keeps per-module statistics of one iteration):
     micro-steps and pipeline pieces do that, so those statistics, which nothing here reads, are cleared first."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__()
-        self.track_external(model, optimizer)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -150,6 +147,11 @@ class LiveBytes(MemTracker):
             if self._peak_mem.get(device, 0) < snap[TOTAL]:
                 self._peak_mem[device] = snap[TOTAL]
                 self._peak_mem_snap[device] = dict(snap)
+
+    def reset_peak(self) -> None:
+        """From now on: the peak of what is alive from here."""
+        self._peak_mem = {device: snap[TOTAL] for device, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = {device: dict(snap) for device, snap in self._curr_mem_snap.items()}
 
     def current(self) -> int:
         return sum(snap.get(TOTAL, 0) for snap in self.get_tracker_snapshot("current").values())

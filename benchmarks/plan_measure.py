@@ -31,8 +31,8 @@ step after the warm-up steps:
   final LayerNorm, head, the loss's log-softmax);
 - gathered_params (`probes.GatheredParams`): FSDP's unsharded parameters still registered in the model when a
   forward ends (a forward hook on each outermost FSDP unit, after FSDP's own), held in addition to the shards until
-  backward; the largest over the step's forwards. Parameters that are not the ones registered at rest are the gathered ones (with
-  tensor parallelism they are DTensors too). Without FSDP: 0;
+  backward; the largest over the step's forwards. Parameters that are not the ones registered at rest are the
+  gathered ones (with tensor parallelism they are DTensors too). Without FSDP: 0;
 - step_ms: the median wall time of `--steps` whole loop steps (`train_step`: reading the micro-batches, forward,
   backward, clip, optimizer step, zero_grad), each after a barrier, after `--warmup` steps and the memory step.
 

@@ -214,3 +214,14 @@ def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> No
     (checkpoint,) = list_checkpoints(tmp_path / "runs" / "c")
     keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     assert "model.wte.weight" in keys and not any("_orig_mod" in k for k in keys)
+
+
+def test_fsdp_gradient_mode_auto_is_decided_at_launch_said_and_recorded(tmp_path: Path) -> None:
+    """parallel.fsdp.reduce_every_microstep unset (auto) with accumulation: `trainmesh run` decides it from the plan
+    on this machine (the nano model's whole gradients fit), says so, and config.toml records the decision."""
+    overrides = ["--parallel.strategy=fsdp", "--train.micro_batch=2", "--train.global_batch=8", "--train.max_steps=2"]
+    result = _run_gpt(tmp_path, "--run-id", "auto", "--", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parallel.fsdp.reduce_every_microstep=auto: false — whole gradients" in result.stderr
+    recorded = (tmp_path / "runs" / "auto" / "config.toml").read_text()
+    assert "reduce_every_microstep = false" in recorded

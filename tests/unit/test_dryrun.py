@@ -86,3 +86,13 @@ def test_a_world_too_large_for_this_machines_memory_is_refused(monkeypatch: pyte
     )
     with pytest.raises(ConfigError, match=r"65,536 ranks would need about 1\.0 GiB.*has 0\.9 GiB"):
         dry_run_job(resolve(config, 65536))
+
+
+def test_bf16_true_fsdp_accumulates_whole_gradients_in_fp32() -> None:
+    """bf16 weights, but FSDP's reduce dtype is fp32: the whole gradients held between micro-steps are 4 bytes each
+    (the plan counted 2 until the dry run showed it)."""
+    measured, _ = _run(
+        8, "--train.precision=bf16-true", "--parallel.strategy=fsdp", "--train.micro_batch=2", "--train.global_batch=32"
+    )
+    assert measured["params"] == pytest.approx(2 * PARAMS / 8, rel=1e-3)
+    assert measured["grads"] == pytest.approx(4 * PARAMS, rel=1e-3)

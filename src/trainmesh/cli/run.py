@@ -35,8 +35,9 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = launch_options(args)
     start = load_run_config(args.config, overrides, args.target, auto_resume=args.auto_resume)
     jobs, why = choose_gradient_mode(resolve_all(start.config, opts), local_cluster(opts.nproc()))  # before writing
-    if why:
-        log.info("%s", why)
+    if why:  # each node's launcher decides on its own devices: alike on alike nodes
+        mixed = "; on nodes with different devices set it explicitly" if opts.nnodes != "1" else ""
+        log.info("%s%s", why, mixed)
     config = jobs[0].config
     check_this_machine(config, opts)
     suffix = opts.default_run_suffix()  # the nodes of a multi-node job agree on their folder and job id

@@ -131,8 +131,8 @@ class FSDPConfig:
     reduce_every_microstep: bool | None = None
     """With gradient accumulation: true: reduce-scatter after every micro-step, so gradients stay sharded (more
     communication); false: hold whole gradients until the step's last micro-step (one reduce-scatter a step); unset
-    or "auto": `trainmesh run` picks what fits this machine's devices and is faster, by the plan (a worker started
-    another way: false)."""
+    or "auto": for the gpt recipe `trainmesh run` picks what fits this machine's devices and is faster, by the plan
+    (other recipes, and a worker started another way: false)."""
 
     def __post_init__(self) -> None:
         _at_least("parallel.fsdp.prefetch", self.prefetch, 0)

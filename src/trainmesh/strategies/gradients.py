@@ -47,7 +47,7 @@ def clip_gradients(
     returns the norm before clipping. `counted`: the parameters that enter the norm, when some of
     `params` are copies held elsewhere too (a weight tied across pipeline stages)."""
     total = grad_norm(params if counted is None else counted, group)
-    if max_norm > 0:  # on the device: reading the norm back would make the host wait for the step's kernels
+    if max_norm > 0:  # scaled on the device, never read back here (the loop's own reads are its business)
         coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
         for p in params:
             if p.grad is not None:

@@ -81,15 +81,18 @@ def choose_gradient_mode(jobs: list[Job], cluster: Cluster) -> tuple[list[Job], 
     """`jobs` (one per world size of a launch) with parallel.fsdp.reduce_every_microstep=auto decided for `cluster`'s
     devices, and a line that says what was chosen and why ('' where nothing was left to decide). Of the two modes,
     the faster of those that fit; where neither fits, the one that needs less memory. Decided on the smallest world
-    size, where a rank holds the most (every world size runs with the same config)."""
-    smallest = min(jobs, key=lambda j: j.world_size)
-    fsdp = smallest.config.parallel.fsdp
+    size where the mode changes anything, where a rank holds the most (every world size runs with one config). The
+    gpt recipe only (the plan's); others hold whole gradients."""
+    fsdp = jobs[0].config.parallel.fsdp
     if fsdp.reduce_every_microstep is not None:
         return jobs, ""
-    held, sharded = _both_modes(smallest, cluster)
-    if held is None or sharded is None or held.candidate == sharded.candidate:  # nothing to decide here
+    both = [_both_modes(job, cluster) for job in sorted(jobs, key=lambda j: j.world_size)]
+    # where the mode changes anything (fsdp sharding, accumulating): the smallest such world size
+    decided = [(held, sharded) for held, sharded in both if held and sharded and held.candidate != sharded.candidate]
+    if not decided:
         every, why = False, ""
     else:
+        held, sharded = decided[0]
         fitting = [e for e in (held, sharded) if e.fits]
         best = min(fitting, key=lambda e: e.step_time) if fitting else min((held, sharded), key=_total)
         every = best is sharded

@@ -145,11 +145,14 @@ def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
     number."""
     start = time.perf_counter()
     dims = job.layout.dims
-    env = DistEnv(rank, rank % dims.world_size, dims.world_size, dims.world_size, "127.0.0.1", 0, "adopted")
+    env = DistEnv(rank, rank, dims.world_size, dims.world_size, "127.0.0.1", 0, "adopted")  # one node of them all
     with fake_rank(rank, dims.world_size) as fake_tensors, quiet():
         runtime = job.runtime(env)
         with torch.device("meta"):
             whole = job.recipe.build_model(job.config, runtime)
+        # cast for the precision on the meta device, before fake mode (which would turn a cast parameter into a
+        # fake one that materialising cannot swap); setup's own cast then finds nothing left to do
+        whole = runtime.precision.convert_module(whole)
         with fake_tensors:
             memory = _step(job, runtime, whole, micro_steps)
         runtime.teardown()

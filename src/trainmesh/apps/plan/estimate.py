@@ -132,7 +132,8 @@ def stage_memory(
     # resharding after backward off until the schedule ends; the stage's parameters then stay gathered too)
     in_pipeline = fsdp and cand.pp > 1
     unsharded_grads = fsdp and ((accum > 1 and not cand.reduce_every_microstep) or in_pipeline)
-    grads = _bytes(held, cand.tp, 1 if unsharded_grads else shard, state.grads)
+    # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
+    grads = _bytes(held, cand.tp, 1, 4) if unsharded_grads else _bytes(held, cand.tp, shard, state.grads)
     if cand.strategy == "ddp" and accum > 1:  # DDP's buckets, allocated once, beside the gradients of the micro-steps
         grads *= 2  # before the last (zero_grad(set_to_none) leaves them to autograd; the dry run found this)
     host: dict[str, float] = {}

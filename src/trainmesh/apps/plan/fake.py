@@ -85,13 +85,13 @@ def _patched() -> Iterator[None]:
         with unset_fake_temporarily(), shapes:  # the tracker counts the rank's fake mode only
             return propagate(self, *args, **kwargs)
 
-    patch(DeviceMesh, "__init__", real_mesh_init)
-    patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_apart)
-    patch(ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
-    patch(dist, "all_reduce", done_all_reduce)
-    patch(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
-    patch(dist, "broadcast_object_list", lambda objects, src=None, group=None, **kwargs: None)
     try:
+        patch(DeviceMesh, "__init__", real_mesh_init)
+        patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_apart)
+        patch(ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
+        patch(dist, "all_reduce", done_all_reduce)
+        patch(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+        patch(dist, "broadcast_object_list", lambda objects, src=None, group=None, **kwargs: None)
         yield
     finally:
         for owner, name, original in reversed(originals):

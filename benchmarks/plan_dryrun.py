@@ -14,6 +14,8 @@ heads, vocabulary 32000, context 4096, global batch 1024), both bf16-mixed, as i
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_dryrun.py [--models gpt2 gpt7b] [--world-sizes 8 64 512]
         [--workers 2] [--json docs/plan_dryrun.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_dryrun.py --repredict docs/plan_dryrun.json
+        (the saved measurements against the planner as it is now)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from plan_scaling import MODELS, cluster_for
-from trainmesh.apps.plan.dryrun import COMPONENTS, TOLERANCE, compare, dry_run
+from trainmesh.apps.plan.dryrun import COMPONENTS, TOLERANCE, DryRun, RankMemory, compare, dry_run, dry_run_job
 from trainmesh.apps.plan.search import Workload, plan_layouts
 from trainmesh.job.spec import load_config
 
@@ -77,6 +79,26 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def repredict(row: dict[str, Any]) -> dict[str, Any]:
+    """A measured row's prediction and errors again, from the planner as it is now (the measurement does not
+    depend on it)."""
+    if "measured_MiB" not in row:
+        return row
+    from trainmesh.job.spec import resolve
+
+    config = load_config(None, row["overrides"], "gpt")
+    job = dry_run_job(resolve(config, row["world_size"]))
+    measured = {k: v * MiB for k, v in row["measured_MiB"].items()}
+    rank = RankMemory(0, 0, {k: int(v) for k, v in measured.items() if k != "peak"}, int(measured["peak"]), 0.0)
+    (comparison,) = compare(DryRun(job, [rank], 2), config, cluster_for(row["world_size"]))
+    return {
+        **row,
+        "predicted_MiB": {k: round(v / MiB, 2) for k, v in comparison.predicted.items()},
+        "error": {k: round(comparison.error(k), 4) for k in comparison.predicted},
+        "disagree": comparison.disagreements(),
+    }
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per model and world size: layouts run, how many agree on every component, the largest error of each."""
     lines = []
@@ -101,7 +123,14 @@ def main() -> None:
     parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("docs/plan_dryrun.json"))
+    parser.add_argument("--repredict", type=Path, help="a saved --json: predict its measured rows again, run nothing")
     args = parser.parse_args()
+    if args.repredict:
+        saved = json.loads(args.repredict.read_text())
+        rows = [repredict(row) for row in saved["rows"]]
+        args.json.write_text(json.dumps({**saved, "rows": rows}, indent=1) + "\n")
+        print("\n".join(summary(rows)))
+        return
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []

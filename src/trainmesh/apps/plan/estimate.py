@@ -151,11 +151,17 @@ def stage_memory(
     sent = spec.seq * piece * spec.n_embd * stream
 
     gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
-    # Two moments of backward can be the peak. The loss's, on the last stage: everything saved is still held, and the
-    # gradient of the (whole-vocabulary, fp32) logits exists twice, nll_loss's and log_softmax's. Then the last
-    # block's: under fsdp the units it gathers, with checkpointing its recomputed activations (the dry run finds
-    # them on top of nearly all the saved activations still).
+    # The peak is one of three moments (found with the dry run, dryrun.py), each on top of what the other parts hold.
+    # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
+    # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
+    # backward: the fp32 logits' gradient twice, nll_loss's and log_softmax's. The last block's backward: under fsdp
+    # the units it gathers, with checkpointing its recomputed activations (on top of nearly all saved activations
+    # still). At the loss, a step's first gradients do not exist yet unless micro-steps or pipeline pieces came
+    # before, or DDP's buckets (allocated once) hold them.
     logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
+    compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
+    loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
+    no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     blocks_backward = act.recompute_peak if checkpointed else 0.0
     if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
         # backward) and its gradients; the block computing, the one prefetched and the block's gradients (which,
@@ -165,7 +171,7 @@ def stage_memory(
         block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
         blocks_backward += (root + 2 * block) * precision.gather
         blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.weight
-    temporaries = max(2 * logits, blocks_backward)
+    temporaries = max(loss_forward - no_grads_yet, 2 * logits - no_grads_yet, blocks_backward, 0.0)
     if cand.pp > 1:  # send and receive buffers
         temporaries += 2.0 * sent * (2 if not first and not last else 1)
     parts = {

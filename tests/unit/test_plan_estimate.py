@@ -113,7 +113,8 @@ def test_a_middle_pipeline_stage_holds_four_send_and_receive_buffers() -> None:
 def test_activation_checkpointing_keeps_each_blocks_input_only() -> None:
     """Micro-batch 2 (T = 32 tokens), fp32, one stage. A block saves 4·T·(16h + 4 + a) bytes; checkpointed, its input
     alone, 4·T·h, and its backward brings the rest back for a moment (a temporary, at another moment than the loss's
-    backward, which holds the logits' fp32 gradient twice but no parameter gradient yet). Outside the blocks: 4·T·(V + 2h + 2) + 8·(2T + s) + 4."""
+    backward, which holds the logits' fp32 gradient twice but no parameter gradient yet). Outside the blocks:
+    4·T·(V + 2h + 2) + 8·(2T + s) + 4."""
     tokens, h, a, vocab = 32, 32, 2, 64
     block, kept = 4 * tokens * (16 * h + 4 + a), 4 * tokens * h
     outside = 4 * tokens * (vocab + 2 * h + 2) + 8 * (2 * tokens + 16) + 4

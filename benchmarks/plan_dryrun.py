@@ -7,7 +7,8 @@ For each model and world size it takes `plan_layouts` on the `h100` preset (one 
 checkpointing and gradient mode, each at the micro-batch the plan picks), resolves each to the job `trainmesh run`
 would run (`Candidate.job`), dry-runs rank 0 of it with 2 of its accumulation micro-steps (the first holds what every
 micro-step before the last holds, see dryrun.run_rank) and compares each component. Pipelines are listed, not run:
-the dry run does not build them yet (dryrun.dry_run_job says why). Each layout runs in a fresh process.
+the dry run does not build them yet (dryrun.dry_run_job says why). Each layout runs in a process of its own; the
+JSON is written after each, and a second run with the same --json continues where the first stopped.
 
 Models: GPT-2 124M (vocabulary 50304, context 1024, global batch 512 sequences) and a GPT-shaped 7B (32 × 4096, 32
 heads, vocabulary 32000, context 4096, global batch 1024), both bf16-mixed, as in benchmarks/plan_scaling.py.
@@ -22,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
+import subprocess
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,19 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def run_one(row: dict[str, Any]) -> dict[str, Any]:
+    """`measure(row)` in a process of its own (a crash, even a segfault, costs that row only)."""
+    if row["pp"] > 1:
+        return measure(row)
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(row)], capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        return {**row, "failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=[m.key for m in MODELS])
@@ -124,7 +139,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("docs/plan_dryrun.json"))
     parser.add_argument("--repredict", type=Path, help="a saved --json: predict its measured rows again, run nothing")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a row to measure, in this process (run_one)
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(json.loads(args.one))))
+        return
     if args.repredict:
         saved = json.loads(args.repredict.read_text())
         rows = [repredict(row) for row in saved["rows"]]
@@ -132,18 +151,17 @@ def main() -> None:
         print("\n".join(summary(rows)))
         return
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
+    done = json.loads(args.json.read_text())["rows"] if args.json.exists() else []  # a run to continue
+    seen = {(r["model"], r["world_size"], r["layout"]) for r in done if "failed" not in r}
+    rows = [r for r in done if "failed" not in r]
     start = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.workers, mp_context=context, max_tasks_per_child=1) as pool:
-        for row in pool.map(measure, todo):
+    with ThreadPoolExecutor(args.workers) as pool:
+        for row in pool.map(run_one, [r for r in todo if (r["model"], r["world_size"], r["layout"]) not in seen]):
             rows.append(row)
-            note = row.get("skipped") or (", ".join(row["disagree"]) or "agrees")
-            print(
-                f"{row['model']} {row['world_size']:4d} {row['layout']:32s} mb {row['micro_batch']:3d}: {note}",
-                flush=True,
-            )
-    args.json.write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - start)}, indent=1) + "\n")
+            note = row.get("skipped") or row.get("failed") or (", ".join(row["disagree"]) or "agrees")
+            print(f"{row['model']} {row['world_size']:4d} {row['layout']:32s} mb {row['micro_batch']:3d}: {note}")
+            args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")  # kept as it goes
+    print(f"{time.perf_counter() - start:.0f} s")
     print("\n".join(summary(rows)))
 
 

@@ -150,7 +150,9 @@ def stage_memory(
     stream = element_bytes(precision.activations_under(cand.strategy)).param
     sent = spec.seq * piece * spec.n_embd * stream
 
-    gathered = _bytes(held, cand.tp, 1, precision.gather) if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
+    # FSDP gathers every rank's shard, each padded to the largest (dim 0 rounded up to a multiple of the ranks)
+    whole = shard * _bytes(held, cand.tp, shard, precision.gather)
+    gathered = whole if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
     # The peak is one of three moments (found with the dry run, dryrun.py), each on top of what the other parts hold.
     # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
     # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
@@ -166,11 +168,14 @@ def stage_memory(
     if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
         # backward) and its gradients; the block computing, the one prefetched and the block's gradients (which,
         # while they accumulate unsharded, are in `grads` already)
-        root = _bytes([p for p in held if p.block is None], cand.tp, 1, 1)
+        root = shard * _bytes([p for p in held if p.block is None], cand.tp, shard, 1)
         in_blocks = {p.block for p in held if p.block is not None}
-        block = max((_bytes([p for p in held if p.block == b], cand.tp, 1, 1) for b in in_blocks), default=0.0)
+        block = max(
+            (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
+        )
+        # the units' gradients come in the gathered dtype (FSDP's param_dtype) before they are reduced
         blocks_backward += (root + 2 * block) * precision.gather
-        blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.weight
+        blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
     temporaries = max(loss_forward - no_grads_yet, 2 * logits - no_grads_yet, blocks_backward, 0.0)
     if cand.pp > 1:  # send and receive buffers
         temporaries += 2.0 * sent * (2 if not first and not last else 1)

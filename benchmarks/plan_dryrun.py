@@ -16,7 +16,7 @@ heads, vocabulary 32000, context 4096, global batch 1024), both bf16-mixed, as i
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_dryrun.py [--models gpt2 gpt7b] [--world-sizes 8 64 512]
         [--workers 2] [--json docs/plan_dryrun.json]
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/plan_dryrun.py --repredict docs/plan_dryrun.json
-        (the saved measurements against the planner as it is now)
+        (the saved measurements against the planner as it is now, written back to the same file)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,19 @@ def run_one(row: dict[str, Any]) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(row)], capture_output=True, text=True, check=False
     )
-    if done.returncode:
-        return {**row, "failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    for line in reversed(done.stdout.splitlines() if done.returncode == 0 else []):
+        if line.startswith("{"):
+            try:
+                result: dict[str, Any] = json.loads(line)
+                return result
+            except json.JSONDecodeError:
+                break
+    return {**row, "failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+
+
+def key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """A layout as the plan enumerated it: a row of an earlier run counts only if the plan still picks it alike."""
+    return row["model"], row["world_size"], row["layout"], row["micro_batch"], tuple(row["overrides"])
 
 
 def main() -> None:
@@ -138,7 +147,9 @@ def main() -> None:
     parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("docs/plan_dryrun.json"))
-    parser.add_argument("--repredict", type=Path, help="a saved --json: predict its measured rows again, run nothing")
+    parser.add_argument(
+        "--repredict", type=Path, help="a saved table: predict its measured rows again and rewrite it; run nothing"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a row to measure, in this process (run_one)
     args = parser.parse_args()
     if args.one:
@@ -147,16 +158,18 @@ def main() -> None:
     if args.repredict:
         saved = json.loads(args.repredict.read_text())
         rows = [repredict(row) for row in saved["rows"]]
-        args.json.write_text(json.dumps({**saved, "rows": rows}, indent=1) + "\n")
+        args.repredict.write_text(json.dumps({**saved, "rows": rows}, indent=1) + "\n")
         print("\n".join(summary(rows)))
         return
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
     done = json.loads(args.json.read_text())["rows"] if args.json.exists() else []  # a run to continue
-    seen = {(r["model"], r["world_size"], r["layout"]) for r in done if "failed" not in r}
-    rows = [r for r in done if "failed" not in r]
+    wanted = {key(r) for r in todo}
+    rows = [r for r in done if "failed" not in r and key(r) in wanted]
+    seen = {key(r) for r in rows}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:
-        for row in pool.map(run_one, [r for r in todo if (r["model"], r["world_size"], r["layout"]) not in seen]):
+        for future in as_completed([pool.submit(run_one, r) for r in todo if key(r) not in seen]):
+            row = future.result()
             rows.append(row)
             note = row.get("skipped") or row.get("failed") or (", ".join(row["disagree"]) or "agrees")
             print(f"{row['model']} {row['world_size']:4d} {row['layout']:32s} mb {row['micro_batch']:3d}: {note}")

@@ -254,6 +254,8 @@ def compare(run: DryRun, config: Config, cluster: Cluster) -> list[Comparison]:
         # the device while they accumulate, in host memory once reduced: never both at once.
         predicted = {part: parts[part] + host.get(part, 0.0) for part in COMPONENTS}
         predicted["grads"] = max(parts["grads"], host.get("grads", 0.0))
+        if host and job.batch.accum_steps == 1:  # nor do the offloaded gradients exist yet at the loss's moments
+            predicted["temporaries"] = max(0.0, predicted["temporaries"] - host.get("grads", 0.0))
         out.append(Comparison(rank, {**predicted, "peak": sum(predicted.values())}))
     return out
 

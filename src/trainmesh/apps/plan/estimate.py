@@ -157,26 +157,27 @@ def stage_memory(
     # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
     # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
     # backward: the fp32 logits' gradient twice, nll_loss's and log_softmax's. The last block's backward: under fsdp
-    # the units it gathers, with checkpointing its recomputed activations (on top of nearly all saved activations
-    # still). At the loss, a step's first gradients do not exist yet unless micro-steps or pipeline pieces came
-    # before, or DDP's buckets (allocated once) hold them.
+    # the units it gathers and their gradients before they are reduced, with checkpointing its recomputed
+    # activations (on top of nearly all saved activations still). At all three, a step's first gradients do not
+    # exist yet unless earlier micro-steps or 1F1B pieces made some, or DDP's buckets (allocated once) hold them.
     logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
     compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
     loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     blocks_backward = act.recompute_peak if checkpointed else 0.0
-    if fsdp and not gathered:  # the root unit (embeddings, final norm, head: gathered through forward and
-        # backward) and its gradients; the block computing, the one prefetched and the block's gradients (which,
-        # while they accumulate unsharded, are in `grads` already)
+    if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward), the block
+        # computing and the one prefetched (all held in `gathered` already under grad-op), and the gradients of the
+        # root and the block, in the gathered dtype (FSDP's param_dtype) before they are reduced (while they
+        # accumulate unsharded, they are in `grads` already)
         root = shard * _bytes([p for p in held if p.block is None], cand.tp, shard, 1)
         in_blocks = {p.block for p in held if p.block is not None}
         block = max(
             (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
         )
-        # the units' gradients come in the gathered dtype (FSDP's param_dtype) before they are reduced
-        blocks_backward += (root + 2 * block) * precision.gather
+        blocks_backward += 0.0 if gathered else (root + 2 * block) * precision.gather
         blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
-    temporaries = max(loss_forward - no_grads_yet, 2 * logits - no_grads_yet, blocks_backward, 0.0)
+    temporaries = max(loss_forward, 2 * logits, blocks_backward) - no_grads_yet  # the last block is the first
+    temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:  # send and receive buffers
         temporaries += 2.0 * sent * (2 if not first and not last else 1)
     parts = {

@@ -165,16 +165,18 @@ def stage_memory(
     loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     blocks_backward = act.recompute_peak if checkpointed else 0.0
-    if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward), the block
-        # computing and the one prefetched (all held in `gathered` already under grad-op), and the gradients of the
-        # root and the block, in the gathered dtype (FSDP's param_dtype) before they are reduced (while they
-        # accumulate unsharded, they are in `grads` already)
+    if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
+        # computing (held in `gathered` already under grad-op; the block that backward prefetches is not there yet
+        # at the peak, the dry run finds, but with checkpointing the recomputed forward's prefetch is), and the
+        # gradients of the root and the block, in the gathered dtype (FSDP's param_dtype) before they are reduced
+        # (while they accumulate unsharded, they are in `grads` already)
         root = shard * _bytes([p for p in held if p.block is None], cand.tp, shard, 1)
         in_blocks = {p.block for p in held if p.block is not None}
         block = max(
             (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
         )
-        blocks_backward += 0.0 if gathered else (root + 2 * block) * precision.gather
+        units = root + (2 if checkpointed else 1) * block  # a recomputed forward prefetches the next block too
+        blocks_backward += 0.0 if gathered else units * precision.gather
         blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
     temporaries = max(loss_forward, 2 * logits, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either

@@ -136,6 +136,11 @@ def run_one(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
 
 
+def dump(rows: list[dict[str, Any]]) -> str:
+    """The table as JSON, a row a line."""
+    return '{"rows": [\n' + ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n]}\n"
+
+
 def key(row: dict[str, Any]) -> tuple[Any, ...]:
     """A layout as the plan enumerated it: a row of an earlier run counts only if the plan still picks it alike."""
     return row["model"], row["world_size"], row["layout"], row["micro_batch"], tuple(row["overrides"])
@@ -158,7 +163,7 @@ def main() -> None:
     if args.repredict:
         saved = json.loads(args.repredict.read_text())
         rows = [repredict(row) for row in saved["rows"]]
-        args.repredict.write_text(json.dumps({**saved, "rows": rows}, indent=1) + "\n")
+        args.repredict.write_text(dump(rows))
         print("\n".join(summary(rows)))
         return
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
@@ -173,7 +178,7 @@ def main() -> None:
             rows.append(row)
             note = row.get("skipped") or row.get("failed") or (", ".join(row["disagree"]) or "agrees")
             print(f"{row['model']} {row['world_size']:4d} {row['layout']:32s} mb {row['micro_batch']:3d}: {note}")
-            args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")  # kept as it goes
+            args.json.write_text(dump(rows))  # kept as it goes
     print(f"{time.perf_counter() - start:.0f} s")
     print("\n".join(summary(rows)))
 

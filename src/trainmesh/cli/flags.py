@@ -59,6 +59,16 @@ def _add_bench_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
     )
 
 
+def _add_memory_margin(group: argparse._ArgumentGroup, default: Any) -> None:
+    """--memory-margin, of `trainmesh check` and `plan` alike."""
+    group.add_argument(
+        "--memory-margin",
+        type=float,
+        default=default,
+        help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
+    )
+
+
 def _add_check_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     """`trainmesh check`'s own flags: the devices the job is for."""
     d = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
@@ -69,12 +79,7 @@ def _add_check_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> 
         help="a100 | h100 | h200 | this (calibrated) | a cluster JSON file (docs/plan.md): compare memory per rank "
         "with its devices instead of this machine's",
     )
-    g.add_argument(
-        "--memory-margin",
-        type=float,
-        default=d(None),
-        help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
-    )
+    _add_memory_margin(g, d(None))
     g.add_argument(
         "--dry-run",
         action="store_true",
@@ -130,12 +135,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> N
         default=d(None),
         help="sequences per optimizer step (default: the config's, else train.micro_batch on every rank)",
     )
-    g.add_argument(
-        "--memory-margin",
-        type=float,
-        default=d(None),
-        help="fraction of device memory kept free for what is not modelled (default 0.1, or the cluster file's)",
-    )
+    _add_memory_margin(g, d(None))
     g.add_argument("--top", type=int, default=d(20), help="rows to print (default 20)")
     g.add_argument("--json", default=d(None), help="also write every layout's figures here")
     g.add_argument(

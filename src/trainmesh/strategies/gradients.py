@@ -12,7 +12,7 @@ sqrt(sum of squares over every element of every gradient, each counted once):
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,14 +21,11 @@ from torch.distributed.tensor import DTensor
 
 def grad_norm(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of the gradients of `params`, completed over `group` (pipeline stages) if given."""
-    grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    device = grads[0].device if grads else torch.device("cpu")
+    held = [p for p in params if p.grad is not None]
+    device = held[0].grad.device if held and held[0].grad is not None else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=getattr(device, "type", device))
-    for same in groups.values():
-        norm = torch.nn.utils.get_total_norm(same)
+    for same in _by_layout(held).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in same if p.grad is not None])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares += norm.double() ** 2
@@ -47,9 +44,16 @@ def clip_gradients(
     returns the norm before clipping. `counted`: the parameters that enter the norm, when some of
     `params` are copies held elsewhere too (a weight tied across pipeline stages)."""
     total = grad_norm(params if counted is None else counted, group)
-    if max_norm > 0:  # scaled on the device, never read back here (the loop's own reads are its business)
-        coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    if max_norm > 0:  # torch's own scaling (fused per device and dtype), on the device: the norm is not read back
+        for same in _by_layout(p for p in params if p.grad is not None).values():  # a fused multiply takes one
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, total)  # mesh and placement at a time
     return total
+
+
+def _by_layout(params: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """`params` grouped by their gradients' mesh and placements (plain tensors: one group)."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        groups[(g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None].append(p)
+    return groups

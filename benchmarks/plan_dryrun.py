@@ -5,10 +5,10 @@ or a cluster.
 
 For each model and world size it takes `plan_layouts` on the `h100` preset (one layout per kind, degrees, activation
 checkpointing and gradient mode, each at the micro-batch the plan picks), resolves each to the job `trainmesh run`
-would run (`Candidate.job`), dry-runs rank 0 of it with 2 of its accumulation micro-steps (the first holds what every
-micro-step before the last holds, see dryrun.run_rank) and compares each component. Pipelines are listed, not run:
-the dry run does not build them yet (dryrun.dry_run_job says why). Each layout runs in a process of its own; the
-JSON is written after each, and a second run with the same --json continues where the first stopped.
+would run (`Candidate.job`), dry-runs one rank of each of its pipeline stages (rank 0 without a pipeline) with 2 of
+its accumulation micro-steps (the first holds what every micro-step before the last holds, see dryrun.run_rank) and
+compares each component. Each layout runs in a process of its own; the JSON is written after each, and a second run
+with the same --json continues where the first stopped.
 
 Models: GPT-2 124M (vocabulary 50304, context 1024, global batch 512 sequences) and a GPT-shaped 7B (32 × 4096, 32
 heads, vocabulary 32000, context 4096, global batch 1024), both bf16-mixed, as in benchmarks/plan_scaling.py.
@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from plan_scaling import MODELS, cluster_for
-from trainmesh.apps.plan.dryrun import COMPONENTS, TOLERANCE, DryRun, RankMemory, compare, dry_run, dry_run_job
+from trainmesh.apps.plan.dryrun import (
+    COMPONENTS,
+    TOLERANCE,
+    Comparison,
+    DryRun,
+    RankMemory,
+    compare,
+    dry_run,
+    dry_run_job,
+)
 from trainmesh.apps.plan.search import Workload, plan_layouts
 from trainmesh.job.spec import load_config
 
@@ -60,25 +69,39 @@ def layouts(model_key: str, world_size: int) -> list[dict[str, Any]]:
     return out
 
 
-def measure(row: dict[str, Any]) -> dict[str, Any]:
-    """Dry-run one layout and compare it with the plan (in a worker process of its own)."""
-    if row["pp"] > 1:
-        return {**row, "skipped": "pipeline (not built by the dry run yet)"}
-    from trainmesh.job.spec import resolve
-
-    config = load_config(None, row["overrides"], "gpt")
-    job = resolve(config, row["world_size"])
-    run = dry_run(job, micro_steps=2)
-    (comparison,) = compare(run, config, cluster_for(row["world_size"]))
+def figures(comparison: Comparison) -> dict[str, Any]:
+    """One rank's predicted and measured MiB by component, the errors and the parts off by more than TOLERANCE."""
     return {
-        **row,
-        "accum_steps": job.batch.accum_steps,
-        "seconds": round(comparison.rank.seconds, 2),
         "predicted_MiB": {k: round(v / MiB, 2) for k, v in comparison.predicted.items()},
         "measured_MiB": {k: round(v / MiB, 2) for k, v in comparison.measured.items()},
         "error": {k: round(comparison.error(k), 4) for k in comparison.predicted},
         "disagree": comparison.disagreements(),
     }
+
+
+def combined(row: dict[str, Any], comparisons: list[Comparison]) -> dict[str, Any]:
+    """The row with its ranks' figures: the most loaded rank's at the top level (and, for a pipeline, each stage's
+    under "stages"), the largest error of each component over the stages and every part off on any stage."""
+    each = [{"stage": c.rank.stage, "seconds": round(c.rank.seconds, 2), **figures(c)} for c in comparisons]
+    top = max(each, key=lambda s: s["measured_MiB"]["peak"])
+    out = {**row, **{k: v for k, v in top.items() if k != "stage"}}
+    out["seconds"] = round(sum(s["seconds"] for s in each), 2)
+    out["error"] = {k: max(s["error"][k] for s in each) for k in top["error"]}
+    out["disagree"] = [k for k in top["error"] if any(k in s["disagree"] for s in each)]
+    if len(each) > 1:
+        out["stages"] = each
+    return out
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """Dry-run one layout, one rank of each pipeline stage, and compare it with the plan (in a process of its own)."""
+    from trainmesh.job.spec import resolve
+
+    config = load_config(None, row["overrides"], "gpt")
+    job = resolve(config, row["world_size"])
+    run = dry_run(job, micro_steps=2)
+    comparisons = compare(run, config, cluster_for(row["world_size"]))
+    return {**combined(row, comparisons), "accum_steps": job.batch.accum_steps}
 
 
 def repredict(row: dict[str, Any]) -> dict[str, Any]:
@@ -90,15 +113,13 @@ def repredict(row: dict[str, Any]) -> dict[str, Any]:
 
     config = load_config(None, row["overrides"], "gpt")
     job = dry_run_job(resolve(config, row["world_size"]))
-    measured = {k: v * MiB for k, v in row["measured_MiB"].items()}
-    rank = RankMemory(0, 0, {k: int(v) for k, v in measured.items() if k != "peak"}, int(measured["peak"]), 0.0)
-    (comparison,) = compare(DryRun(job, [rank], 2), config, cluster_for(row["world_size"]))
-    return {
-        **row,
-        "predicted_MiB": {k: round(v / MiB, 2) for k, v in comparison.predicted.items()},
-        "error": {k: round(comparison.error(k), 4) for k in comparison.predicted},
-        "disagree": comparison.disagreements(),
-    }
+    ranks = []
+    for stage in row.get("stages", [{**row, "stage": 0}]):
+        measured = {k: int(v * MiB) for k, v in stage["measured_MiB"].items()}
+        peak = measured.pop("peak")
+        ranks.append(RankMemory(0, stage["stage"], measured, peak, stage["seconds"]))
+    comparisons = compare(DryRun(job, ranks, 2), config, cluster_for(row["world_size"]))
+    return {**combined({k: v for k, v in row.items() if k != "stages"}, comparisons), "seconds": row["seconds"]}
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
@@ -121,8 +142,6 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 def run_one(row: dict[str, Any]) -> dict[str, Any]:
     """`measure(row)` in a process of its own (a crash, even a segfault, costs that row only)."""
-    if row["pp"] > 1:
-        return measure(row)
     done = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(row)], capture_output=True, text=True, check=False
     )
@@ -169,7 +188,7 @@ def main() -> None:
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
     done = json.loads(args.json.read_text())["rows"] if args.json.exists() else []  # a run to continue
     wanted = {key(r) for r in todo}
-    rows = [r for r in done if "failed" not in r and key(r) in wanted]
+    rows = [r for r in done if "failed" not in r and "skipped" not in r and key(r) in wanted]
     seen = {key(r) for r in rows}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:

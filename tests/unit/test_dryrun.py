@@ -15,15 +15,23 @@ PARAMS = 124_475_904  # GPT-2 124M with the 50304 vocabulary (tied head)
 MiB = 2**20
 
 
-def _run(world_size: int, *overrides: str) -> tuple[dict[str, float], dict[str, float]]:
+def _stages(world_size: int, *overrides: str) -> list[tuple[dict[str, float], dict[str, float]]]:
+    """(measured, predicted) bytes of one rank of each pipeline stage, each agreeing with the plan within 5%."""
     config = load_config(None, [*GPT2, "--train.global_batch_tokens=0", *overrides], "gpt")
     run = dry_run(resolve(config, world_size))
-    (comparison,) = compare(run, config, get_cluster("h100", max(1, world_size // 8), min(8, world_size)))
-    assert not comparison.disagreements(), {
-        part: (round(comparison.predicted[part] / MiB), round(comparison.measured[part] / MiB))
-        for part in comparison.disagreements()
-    }
-    return comparison.measured, comparison.predicted
+    out = []
+    for comparison in compare(run, config, get_cluster("h100", max(1, world_size // 8), min(8, world_size))):
+        assert not comparison.disagreements(), {
+            part: (round(comparison.predicted[part] / MiB), round(comparison.measured[part] / MiB))
+            for part in comparison.disagreements()
+        }
+        out.append((comparison.measured, comparison.predicted))
+    return out
+
+
+def _run(world_size: int, *overrides: str) -> tuple[dict[str, float], dict[str, float]]:
+    (only,) = _stages(world_size, *overrides)
+    return only
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -68,10 +76,29 @@ def test_hybrid_sharding_with_tensor_parallelism_and_checkpointing_at_512() -> N
     assert measured["params"] == pytest.approx(4 * PARAMS / 32, rel=0.05)  # over 8 shards × 4 tensor-parallel ranks
 
 
+@pytest.mark.parametrize("layout", ["ddp", "fsdp-grad-op-tp"])
+def test_a_pipeline_dry_runs_each_stage_and_agrees_with_the_plan(layout: str) -> None:
+    """Each stage told its neighbours' shapes (torch's own check holds them to the tensors that pass); every stage's
+    components agree, the last stage included: it keeps no outputs (logits) of the step's pieces, only their losses.
+    The second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh."""
+    data = ["--parallel.strategy=ddp"]
+    if layout != "ddp":
+        data = ["--parallel.strategy=fsdp", "--parallel.fsdp.reshard_after_forward=false", "--parallel.tp=2"]
+    stages = _stages(
+        8,
+        *data,
+        "--parallel.pp=2",
+        "--parallel.pipeline.microbatches=4",
+        "--train.micro_batch=8",
+        f"--train.global_batch={8 * (4 if layout == 'ddp' else 2)}",
+    )
+    assert len(stages) == 2
+    last, _ = stages[1]
+    if layout == "ddp":  # the second half of the blocks, the final norm and the tied head, whole, in fp32
+        assert last["grads"] == last["params"]
+
+
 def test_what_it_cannot_build_is_refused_naming_the_key() -> None:
-    pipeline = load_config(None, [*GPT2, "--parallel.pp=2", "--train.global_batch_tokens=0"], "gpt")
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2"):
-        dry_run_job(resolve(pipeline, 8))
     resnet = load_config(None, [], "resnet")
     with pytest.raises(ConfigError, match=r"run\.recipe='resnet'"):
         dry_run_job(resolve(resnet, 8))

@@ -99,15 +99,17 @@ def test_cpu_offload_pays_its_host_copies() -> None:
     assert est.time["optimizer"] == pytest.approx(32 * (P / 2) / host_memory)
 
 
-def test_a_middle_pipeline_stage_holds_four_send_and_receive_buffers() -> None:
-    """3 stages of one block, pieces of one sequence: a piece's residual stream is s·h·4 = 2048 bytes. The first stage
-    sends activations and receives their gradients (2 buffers); a middle one receives and sends both ways (4); the
-    last receives and sends back (2), and holds the logits' fp32 gradient twice in the loss's backward (nll_loss's
-    and log_softmax's), 2·s·V·4 bytes."""
+def test_pipeline_stages_hold_their_schedules_buffers_and_moments() -> None:
+    """3 stages of one block, 6 pieces of one sequence (s = 16, h = 32, V = 64, fp32): a piece's residual stream is
+    s·h·4 = 2048 bytes. torch keeps a receive buffer per piece and direction: the first stage receives gradients
+    (6 buffers), a middle one activations and gradients (12), the last activations (6). Stages without the loss peak
+    in a block's backward, s·(4h + h)·4 = 10240 bytes (the MLP's hidden gradient, a matmul input's); the first also
+    keeps the outputs of its other pieces in flight (1F1B: 3 − 1). The last holds the logits' fp32 gradient twice in
+    the loss's backward (nll_loss's and log_softmax's), 2·s·V·4 bytes. All as the dry run measures them."""
     spec, cand = _spec(n_layer=3), Candidate("single", 3, 1, 1, 1, 0, 6, 6)
-    stream = 16 * 32 * 4
+    stream, block, logits = 16 * 32 * 4, 16 * 5 * 32 * 4, 16 * 64 * 4
     temporaries = [stage_memory(spec, cand, FP32, _cluster(), 1, stage)[0]["temporaries"] for stage in range(3)]
-    assert temporaries == [2 * stream, 4 * stream, 2 * stream + 2 * 16 * 64 * 4] == [4096, 8192, 12288]
+    assert temporaries == [6 * stream + block + 2 * stream, 12 * stream + block, 6 * stream + 2 * logits]
 
 
 def test_activation_checkpointing_keeps_each_blocks_input_only() -> None:

@@ -7,6 +7,7 @@ Details: docs/internals.md#strategiespipelinepy
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +93,7 @@ class PipelineStrategy(Strategy):
         self.pipeline_stages: list[Any] = []
         """torch's PipelineStage objects of this rank, in stage order (e.g. to time their compute)."""
         self._schedule: Any = None
+        self._step_options: dict[str, Any] = {}
         self._step_losses: list[torch.Tensor] = []
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
         # weights tied across pipeline ranks: (this rank's copy, its holders' group, counted in the norm here)
@@ -166,6 +168,10 @@ class PipelineStrategy(Strategy):
             loss_fn=self._stage_loss,
             scale_grads=False,  # our loss already carries the global-mean scale
         )
+        # The last stage would keep every piece's output (the logits) to return them merged, until the next step
+        # begins; the loop needs only the losses (a torch whose step takes return_outputs can be told so)
+        step = inspect.signature(self._schedule.step).parameters
+        self._step_options = {"return_outputs": False} if "return_outputs" in step else {}
 
     def _stage_loss(self, output: Any, targets: Any) -> torch.Tensor:
         assert self._loss is not None
@@ -254,9 +260,9 @@ class PipelineStrategy(Strategy):
         hooks = [] if self._inferred else self._infer_shapes_in_eval_mode()
         with precision.autocast():
             if 0 in self.stage_ids:
-                self._schedule.step(inputs, target=targets)
+                self._schedule.step(inputs, target=targets, **self._step_options)
             else:
-                self._schedule.step(target=targets)
+                self._schedule.step(target=targets, **self._step_options)
         for hook in hooks:
             hook.remove()
         self._inferred, self._loss = True, None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 from trainmesh.apps.plan.check import where_from
 from trainmesh.apps.plan.cluster import Cluster, GiB, size_unit
 from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory
-from trainmesh.apps.plan.fake import LiveBytes, fake_rank, quiet
+from trainmesh.apps.plan.fake import LiveBytes, fake_rank, pipeline_buffers, quiet, static_pipeline
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.probes import GatheredParams, SavedActivations, optimizer_bytes, storage_bytes
@@ -34,6 +35,7 @@ from trainmesh.job.spec import Job, resolve
 from trainmesh.recipes.gpt.model import GPTConfig
 from trainmesh.runtime.runtime import Runtime
 from trainmesh.strategies.blocks import find_blocks
+from trainmesh.strategies.pipeline import PipelineStrategy
 from trainmesh.train.optim import build_optimizer
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries")
@@ -91,13 +93,6 @@ def dry_run_job(job: Job) -> Job:
             f"trainmesh check --dry-run runs the gpt recipe, not run.recipe={config.run.recipe!r}. Fix: check "
             "without --dry-run (its memory line is the plan's prediction where the recipe has one)."
         )
-    if job.layout.dims.pp > 1:
-        raise ConfigError(
-            f"trainmesh check --dry-run does not build pipelines yet (parallel.pp={job.layout.dims.pp}): torch's "
-            "pipeline stages learn their neighbours' shapes at the first step from values sent between ranks, which "
-            "the fake process group does not carry. Fix: check without --dry-run (the plan's memory line), or dry-run "
-            "the layout with --parallel.pp=1 to see the blocks' memory."
-        )
     need = bookkeeping_bytes(job.world_size)
     if need > host_memory():
         raise ConfigError(
@@ -153,10 +148,29 @@ def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
         # cast for the precision on the meta device, before fake mode (which would turn a cast parameter into a
         # fake one that materialising cannot swap); setup's own cast then finds nothing left to do
         whole = runtime.precision.convert_module(whole)
-        with fake_tensors:
+        pipeline = static_pipeline(pipeline_boundaries(job, runtime, whole)) if dims.pp > 1 else nullcontext()
+        with fake_tensors, pipeline:
             memory = _step(job, runtime, whole, micro_steps)
         runtime.teardown()
     return RankMemory(rank, stage, *memory, time.perf_counter() - start)
+
+
+def pipeline_boundaries(job: Job, runtime: Runtime, whole: nn.Module) -> list[torch.Tensor]:
+    """What passes between the pipeline's stages, for one piece of a micro-batch, on the meta device: what each stage
+    receives (the token ids for the first) and, last, what the last stage puts out; from the stages' own forwards, with
+    autograd on (torch gives a stage gradients for what requires them)."""
+    strategy = runtime.strategy
+    assert isinstance(strategy, PipelineStrategy)
+    cut = job.recipe.parallel_plan(whole).pipeline_stage
+    assert cut is not None
+    piece = job.batch.micro_batch // strategy.options.microbatches
+    x = torch.zeros((piece, job.batch.tokens_per_sample), dtype=torch.long, device="meta")
+    boundaries = [x]
+    cast = getattr(strategy.inner, "param_dtype", None)  # FSDP's mixed precision computes, and sends, in its dtype
+    for index in range(strategy.num_stages):
+        x = cut(whole, index, strategy.num_stages)(x)
+        boundaries.append(x.to(cast) if cast is not None and x.is_floating_point() else x)
+    return boundaries
 
 
 def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tuple[dict[str, int], int]:
@@ -175,7 +189,17 @@ def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tup
         params, state = storage_bytes([*raw.parameters(), *raw.buffers()]), optimizer_bytes(optimizer)
         steady = params + state + storage_bytes(batch)
         live.reset_peak()
-        held = _one_step(job, runtime, model, optimizer, batch, micro_steps, lambda: live.current() - steady)
+        stages = getattr(runtime.strategy, "pipeline_stages", [])
+        # beside the state between micro-steps: the gradients (and a pipeline's receive buffers, in temporaries)
+        held = _one_step(
+            job,
+            runtime,
+            model,
+            optimizer,
+            batch,
+            micro_steps,
+            lambda: live.current() - steady - storage_bytes(pipeline_buffers(stages)),
+        )
         saved, gathered = held.pop()
     parts = {"params": params, "grads": max(held), "optimizer": state, "activations": saved, "gathered": gathered}
     peak = live.peak()
@@ -273,7 +297,8 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
         rank, measured = comparison.rank, comparison.measured
         unit, scale = size_unit(measured["peak"])
         parts = ", ".join(f"{part} {measured[part] / scale:.2f}" for part in COMPONENTS)
-        lines.append(f"    rank {rank.rank}: peak {measured['peak'] / scale:.2f} {unit} = {parts} {unit}")
+        who = f"rank {rank.rank}" + (f" (pipeline stage {rank.stage})" if job.layout.dims.pp > 1 else "")
+        lines.append(f"    {who}: peak {measured['peak'] / scale:.2f} {unit} = {parts} {unit}")
         off = comparison.disagreements()
         if not off:
             lines.append(f"    the plan agrees within {TOLERANCE:.0%} on every component and the peak")

@@ -127,15 +127,22 @@ def stage_memory(
     state = StateBytes.adamw(precision.name)  # per element of each parameter
     params = _bytes(held, cand.tp, shard, state.weights)
     optimizer = _bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
-    # FSDP keeps gradients unsharded while they accumulate: over the micro-steps (no_sync; unless it reduce-scatters
-    # every micro-step), and in a pipeline over the schedule's pieces (torch's PipelineStage turns gradient sync and
-    # resharding after backward off until the schedule ends; the stage's parameters then stay gathered too)
+    # FSDP keeps gradients unsharded while they accumulate over the micro-steps (no_sync; unless it reduce-scatters
+    # every micro-step). Within a pipeline's schedule it keeps them unsharded over the pieces, and the stage gathered
+    # (torch's PipelineStage turns gradient sync and resharding after backward off until the schedule ends): that
+    # is in `temporaries`, below, for a step's schedule (the held gradients are those between micro-steps)
     in_pipeline = fsdp and cand.pp > 1
-    unsharded_grads = fsdp and ((accum > 1 and not cand.reduce_every_microstep) or in_pipeline)
+    unsharded_grads = fsdp and accum > 1 and not cand.reduce_every_microstep
     # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
-    grads = _bytes(held, cand.tp, 1, 4) if unsharded_grads else _bytes(held, cand.tp, shard, state.grads)
+    whole_grads = _bytes(held, cand.tp, 1, 4)
+    grads = whole_grads if unsharded_grads else _bytes(held, cand.tp, shard, state.grads)
     if cand.strategy == "ddp" and accum > 1:  # DDP's buckets, allocated once, beside the gradients of the micro-steps
         grads *= 2  # before the last (zero_grad(set_to_none) leaves them to autograd; the dry run found this)
+    # a vocabulary-parallel embedding's gradient comes back whole when no head on the stage shares the weight: held
+    # so (the pipeline's clipping takes this rank's rows), or under fsdp until it is reduce-scattered (temporaries)
+    embedding = [p for p in held if p.name == "wte.weight"] if cand.pp > 1 and cand.tp > 1 and stage == 0 else []
+    whole_embedding = _bytes(embedding, 1, 1, precision.gather if fsdp else 4)  # fsdp: in its param_dtype
+    grads += 0.0 if fsdp else whole_embedding - _bytes(embedding, cand.tp, 1, 4)
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
         host = {"params": params, "grads": _bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
@@ -144,15 +151,14 @@ def stage_memory(
     activations, act = _stage_activations(spec, cand, precision, stage)
     blocks = spec.blocks_of_stage(stage, cand.pp)
     checkpointed = _checkpointed(cand, blocks)
-    last, first = stage == cand.pp - 1, stage == 0
+    last = stage == cand.pp - 1
     piece = cand.micro_batch // cand.microbatches
     # what a pipeline stage sends on: the residual stream, in the parameters' dtype under ddp and single
     stream = element_bytes(precision.activations_under(cand.strategy)).param
-    sent = spec.seq * piece * spec.n_embd * stream
 
     # FSDP gathers every rank's shard, each padded to the largest (dim 0 rounded up to a multiple of the ranks)
     whole = shard * _bytes(held, cand.tp, shard, precision.gather)
-    gathered = whole if cand.kind == "fsdp-grad-op" or in_pipeline else 0.0
+    gathered = whole if cand.kind == "fsdp-grad-op" else 0.0
     # The peak is one of three moments (found with the dry run, dryrun.py), each on top of what the other parts hold.
     # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
     # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
@@ -176,12 +182,15 @@ def stage_memory(
             (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
         )
         units = root + (2 if checkpointed else 1) * block  # a recomputed forward prefetches the next block too
-        blocks_backward += 0.0 if gathered else units * precision.gather
-        blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
-    temporaries = max(loss_forward, 2 * logits, blocks_backward) - no_grads_yet  # the last block is the first
+        blocks_backward += 0.0 if gathered or in_pipeline else units * precision.gather
+        blocks_backward += 0.0 if unsharded_grads or in_pipeline else (root + block) * precision.gather
+    # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
+    loss_backward = 2 * logits + (compute_copy if cand.pp > 1 else 0.0)
+    temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
-    if cand.pp > 1:  # send and receive buffers
-        temporaries += 2.0 * sent * (2 if not first and not last else 1)
+    if cand.pp > 1:
+        temporaries += _schedule_memory(spec, cand, precision, stage, stream, grads, whole, whole_grads)
+        temporaries += whole_embedding if fsdp else 0.0
     parts = {
         "params": params,
         "grads": grads,
@@ -192,6 +201,37 @@ def stage_memory(
         "overhead": cluster.overhead,
     }
     return parts, host
+
+
+def _schedule_memory(
+    spec: ModelSpec,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    stage: int,
+    stream: float,
+    grads: float,
+    gathered: float,
+    whole_grads: float,
+) -> float:
+    """What a pipeline stage holds during its schedule besides the parts and the loss's moments (found with the dry
+    run): torch's receive buffers, one per piece and direction, kept from the first step on; DDP's gradients of the
+    pieces before the last (accumulated under no_sync) beside its buckets; FSDP's stage gathered and its gradients
+    whole until the schedule ends; on a stage without the loss, a block's backward; on the first, the outputs of its
+    other pieces in flight (sent on as they are)."""
+    first, last = stage == 0, stage == cand.pp - 1
+    tokens = cand.micro_batch // cand.microbatches * spec.seq
+    sent = tokens * spec.n_embd * stream  # a piece's residual stream
+    out = cand.microbatches * sent * ((not first) + (not last))
+    if cand.kind == "ddp" and cand.microbatches > 1:
+        out += grads
+    if cand.strategy == "fsdp":
+        out += (0.0 if cand.kind == "fsdp-grad-op" else gathered) + max(0.0, whole_grads - grads)
+    if not last:  # the MLP's hidden gradient and a matmul input's, in the compute dtype, and the stream's gradient
+        c, compute = spec.n_embd, precision.activation
+        out += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+    if first:
+        out += sent * (pieces_in_flight(cand, stage) - 1)
+    return out
 
 
 def _checkpointed(cand: Candidate, blocks: int) -> int:

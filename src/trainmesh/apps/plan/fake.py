@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _redistribute as redistribute
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -54,16 +56,38 @@ def fake_rank(rank: int, world_size: int) -> Iterator[FakeTensorMode]:
             yield FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches the shardings it worked out, with their device meshes, and a mesh compares equal to another of
+    its shape whatever its ranks: a later rank in this process (another pipeline stage) would be handed this one's
+    mesh, whose process groups are gone."""
+    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ dispatch's
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    redistribute._gen_transform_infos.cache_clear()
+    redistribute.clear_redistribute_planner_cache()
 
 
 @contextlib.contextmanager
-def _patched() -> Iterator[None]:
+def _patching() -> Iterator[Callable[[Any, str, Callable[..., Any]], None]]:
+    """A `patch(owner, name, replacement)` whose replacements last for the block."""
     originals: list[tuple[Any, str, Any]] = []
 
     def patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
         originals.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
+    try:
+        yield patch
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _patched() -> Iterator[None]:
     mesh_init = DeviceMesh.__init__
 
     @functools.wraps(mesh_init)
@@ -85,7 +109,7 @@ def _patched() -> Iterator[None]:
         with unset_fake_temporarily(), shapes:  # the tracker counts the rank's fake mode only
             return propagate(self, *args, **kwargs)
 
-    try:
+    with _patching() as patch:
         patch(DeviceMesh, "__init__", real_mesh_init)
         patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_apart)
         patch(ddp_module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
@@ -93,9 +117,38 @@ def _patched() -> Iterator[None]:
         patch(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
         patch(dist, "broadcast_object_list", lambda objects, src=None, group=None, **kwargs: None)
         yield
-    finally:
-        for owner, name, original in reversed(originals):
-            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def static_pipeline(boundaries: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Pipeline stages that know their neighbours' shapes. torch's PipelineStage learns them at the first step, by a
+    vote and metadata sent by value between the ranks, which the fake group does not carry: here each stage is told
+    them instead (`boundaries[i]`: what stage i receives, the token ids for the first; the last: what the last stage
+    puts out), as a stage given `input_args` and `output_args` is, and checks them against every tensor that passes
+    (torch's own validation, which a run turns on with TORCH_DISTRIBUTED_DEBUG=DETAIL). Then the dry run's step is
+    every step's: the first step's shape inference, an extra forward and backward, does not happen."""
+    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    def told(schedule: _PipelineSchedule, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            i = stage.stage_index
+            inputs, outputs = extract_tensor_metas((boundaries[i],)), extract_tensor_metas((boundaries[i + 1],))
+            stage._user_meta = _StageMeta(inputs=inputs, outputs=outputs)
+            stage._inference_mode = InferenceMode.STATIC
+            stage._runtime_validate = True
+
+    with _patching() as patch:
+        patch(_PipelineSchedule, "_warmup_p2p", told)
+        yield
+
+
+def pipeline_buffers(stages: Sequence[Any]) -> list[torch.Tensor]:
+    """The receive buffers torch's PipelineStage objects hold (made at the first step, one per piece and direction,
+    kept for the stage's life): activations from the stage before, gradients from the stage after."""
+    tables = [table for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)]
+    infos = [info for table in tables for piece in table.values() for info in piece]
+    return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 @contextlib.contextmanager

@@ -171,6 +171,10 @@ def stage_memory(
     loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     blocks_backward = act.recompute_peak if checkpointed else 0.0
+    if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
+        # matmul input's, in the compute dtype, and the stream's)
+        tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
+        blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
         # computing (held in `gathered` already under grad-op; the block that backward prefetches is not there yet
         # at the peak, the dry run finds, but with checkpointing the recomputed forward's prefetch is), and the
@@ -182,14 +186,19 @@ def stage_memory(
             (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
         )
         units = root + (2 if checkpointed else 1) * block  # a recomputed forward prefetches the next block too
-        blocks_backward += 0.0 if gathered or in_pipeline else units * precision.gather
-        blocks_backward += 0.0 if unsharded_grads or in_pipeline else (root + block) * precision.gather
+        if not in_pipeline:
+            blocks_backward += 0.0 if gathered else units * precision.gather
+            blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
+        elif not gathered:  # a schedule regathers units for each piece's backward: the root and two blocks during
+            # a block's, or a unit twice (its all-gather buffer and the parameters) as it is copied out
+            gather = precision.gather
+            blocks_backward = max(blocks_backward + (root + 2 * block) * gather, 2 * (root + block) * gather)
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
     loss_backward = 2 * logits + (compute_copy if cand.pp > 1 else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:
-        temporaries += _schedule_memory(spec, cand, precision, stage, stream, grads, whole, whole_grads)
+        temporaries += _schedule_memory(spec, cand, stage, stream, grads, whole_grads)
         temporaries += whole_embedding if fsdp else 0.0
     parts = {
         "params": params,
@@ -204,20 +213,12 @@ def stage_memory(
 
 
 def _schedule_memory(
-    spec: ModelSpec,
-    cand: Candidate,
-    precision: PrecisionBytes,
-    stage: int,
-    stream: float,
-    grads: float,
-    gathered: float,
-    whole_grads: float,
+    spec: ModelSpec, cand: Candidate, stage: int, stream: float, grads: float, whole_grads: float
 ) -> float:
-    """What a pipeline stage holds during its schedule besides the parts and the loss's moments (found with the dry
-    run): torch's receive buffers, one per piece and direction, kept from the first step on; DDP's gradients of the
-    pieces before the last (accumulated under no_sync) beside its buckets; FSDP's stage gathered and its gradients
-    whole until the schedule ends; on a stage without the loss, a block's backward; on the first, the outputs of its
-    other pieces in flight (sent on as they are)."""
+    """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
+    receive buffers, one per piece and direction, kept from the first step on; DDP's gradients of the pieces before
+    the last (accumulated under no_sync) beside its buckets; FSDP's gradients, whole until the schedule ends; on the
+    first stage, the outputs of its other pieces in flight (sent on as they are)."""
     first, last = stage == 0, stage == cand.pp - 1
     tokens = cand.micro_batch // cand.microbatches * spec.seq
     sent = tokens * spec.n_embd * stream  # a piece's residual stream
@@ -225,10 +226,7 @@ def _schedule_memory(
     if cand.kind == "ddp" and cand.microbatches > 1:
         out += grads
     if cand.strategy == "fsdp":
-        out += (0.0 if cand.kind == "fsdp-grad-op" else gathered) + max(0.0, whole_grads - grads)
-    if not last:  # the MLP's hidden gradient and a matmul input's, in the compute dtype, and the stream's gradient
-        c, compute = spec.n_embd, precision.activation
-        out += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+        out += max(0.0, whole_grads - grads)
     if first:
         out += sent * (pieces_in_flight(cand, stage) - 1)
     return out

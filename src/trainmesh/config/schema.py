@@ -201,7 +201,9 @@ class TrainConfig:
     """CUDA: let float32 matmuls and convolutions use TF32 tensor cores (about 8x the fp32 rate, 10-bit mantissa
     products); false: full fp32. Affects 32-true and the fp32 parts of mixed precision; the run logs it at start."""
     nonfinite: str = "abort"
-    """A NaN/inf gradient: abort (before the optimizer step, naming step and ranks) | skip (all ranks skip the step)."""
+    """A NaN/inf gradient: abort (the step not taken; naming step and ranks) | skip (all ranks skip the step). With
+    the fused AdamW (optim.fused, the default on CUDA) the step is skipped on the device and the decision read at
+    the next logging window, evaluation or checkpoint, where an abort then stops the run."""
     max_skipped_steps: int = 5
     """Abort after more than this many consecutive skipped steps (non-finite gradients, or fp16 overflows)."""
     eval_every: int = 100

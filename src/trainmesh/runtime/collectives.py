@@ -31,26 +31,47 @@ class PendingReduce:
     values of the tensor that rode along (see `Collectives.all_reduce_async`)."""
 
     def __init__(
-        self, tensor: torch.Tensor, work: Any, divisor: int, count: int, carry: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor | None,
+        work: Any,
+        divisor: int,
+        count: int,
+        carry: torch.Tensor | None = None,
+        values: list[float] | None = None,
     ) -> None:
         self._tensor, self._work, self._divisor, self._count = tensor, work, divisor, count
         self._carry = carry  # one rank: not reduced, read only when asked for (a device sync on a GPU)
-        self._values: list[float] | None = None
+        self._values = values  # one rank: the numbers as given, never a tensor to read back
 
     def result(self) -> list[float]:
         return self._reduced()[: self._count]
 
     def carried(self) -> list[float]:
-        if self._carry is not None:
-            return [v / self._divisor for v in self._carry.reshape(-1).tolist()]
-        return self._reduced()[self._count :]
+        return read_carried([self])[0]
 
     def _reduced(self) -> list[float]:
         if self._values is None:
+            assert self._tensor is not None
             if self._work is not None:
                 self._work.wait()
             self._values = [float(v) / self._divisor for v in self._tensor.tolist()]
         return self._values
+
+
+def read_carried(reduces: list[PendingReduce]) -> list[list[float]]:
+    """`carried()` of each of `reduces`, with one read of the device for all the carries that one rank kept
+    unreduced (the reduced ones are read with their results)."""
+    local = [r._carry.detach().reshape(-1) for r in reduces if r._carry is not None]
+    values = torch.cat(local).to(torch.float64).tolist() if local else []
+    out = []
+    for r in reduces:
+        if r._carry is None:
+            out.append(r._reduced()[r._count :])
+        else:
+            size = r._carry.numel()
+            out.append([v / r._divisor for v in values[:size]])
+            values = values[size:]
+    return out
 
 
 class Collectives:
@@ -98,11 +119,10 @@ class Collectives:
         """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute). `carry`:
         a tensor of numbers (on this rank's device) reduced in the same collective, read by `.carried()`: values
         that would otherwise need a collective of their own (the loop's logged loss and step times)."""
-        tensor = torch.tensor(values, dtype=torch.float64)
         if not (self._has_group and self.world_size > 1):  # nothing to reduce: no trip through the device,
-            return PendingReduce(tensor, None, 1, len(values), carry)  # whose read-back would wait for the GPU
+            return PendingReduce(None, None, 1, len(values), carry, [float(v) for v in values])  # nor read-back
         dtype = torch.float64 if self.device.type == "cpu" else torch.float32
-        tensor = tensor.to(self.device, dtype)
+        tensor = torch.tensor(values, dtype=torch.float64).to(self.device, dtype)
         if carry is not None:
             tensor = torch.cat([tensor, carry.detach().reshape(-1).to(dtype)])
         work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)

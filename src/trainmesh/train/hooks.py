@@ -72,11 +72,12 @@ class StepHooks:
         if self.run.probe is not None:
             self.run.probe.gradients(step, self.runtime, self.model, grad_norm, self.max_norm)
 
-    def after_step(self, step: int, loss: torch.Tensor, targets: float, stepped: bool) -> None:
+    def after_step(self, step: int, loss: torch.Tensor, targets: float, stepped: bool | torch.Tensor) -> None:
         """Optimizer step `step` returned: the probe records the weights after it and its loss (`loss`: this
-        rank's summed loss; `targets`: the global batch's target count)."""
+        rank's summed loss; `targets`: the global batch's target count; `stepped`: on the device when the optimizer
+        decided there, which the probe reads at once)."""
         if self.run.probe is not None:
-            self.run.probe.after_step(step, self.runtime, self.model, loss, targets, stepped)
+            self.run.probe.after_step(step, self.runtime, self.model, loss, targets, bool(stepped))
 
     def step_done(self, step: int) -> None:
         """The run's state has advanced to step `step`."""

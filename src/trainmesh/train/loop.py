@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
@@ -31,7 +33,9 @@ from trainmesh.metrics.profiler import StepProfiler
 from trainmesh.metrics.progress import ProgressBar
 from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.collectives import PendingReduce
+from trainmesh.runtime.optimizer import unwrap_optimizer
 from trainmesh.runtime.runtime import Runtime
+from trainmesh.strategies.base import Strategy
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.optim import lr_at, set_lr
 from trainmesh.train.preemption import PreemptionWatch
@@ -64,8 +68,9 @@ class StepResult:
     grad_norm: torch.Tensor
     """The global gradient norm before clipping, shape ()."""
     lr: float
-    stepped: bool
-    """False when the step was skipped (fp16 overflow, or a non-finite gradient with nonfinite=skip)."""
+    stepped: bool | torch.Tensor
+    """False when the step was skipped (fp16 overflow, or a non-finite gradient with nonfinite=skip). A bool tensor
+    on the device when the optimizer took the decision there (`_step_if_finite`): the loop reads it later."""
     stop_votes: float
     """Ranks that received SIGTERM or Ctrl-C before this step."""
     reduce: PendingReduce
@@ -124,13 +129,41 @@ def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tenso
         grad_norm = rt.clip_grad_norm(s.model, s.optimizer, tcfg.grad_clip)  # unscales first; the pre-clip norm
         hooks.gradients(step, grad_norm)  # every strategy has synchronised them by now
         # The norm of the synchronised gradients is the same on every rank, and so is every decision here.
-        if math.isfinite(float(grad_norm)) or rt.precision.scales_loss:
+        stepped: bool | torch.Tensor
+        if rt.precision.scales_loss:
             stepped = rt.step(s.optimizer)  # a GradScaler skips an overflowing step and lowers its scale
+        elif _skips_on_device(s):
+            stepped = _step_if_finite(rt, s.optimizer, grad_norm)  # no host read: the loop settles it later
+        elif math.isfinite(float(grad_norm)):
+            stepped = rt.step(s.optimizer)
         else:
             stepped = _nonfinite(s, step, step_loss, reduced)  # abort raises; skip returns False
         s.optimizer.zero_grad(set_to_none=True)
     global_targets, stop_votes = reduced.result()
     return StepResult(step_loss, global_targets, grad_norm, lr, stepped, stop_votes, reduced)
+
+
+def _skips_on_device(s: Session) -> bool:
+    """Whether the optimizer can skip a step on the device when the gradient norm is not finite: torch's fused
+    optimizers take a `found_inf` flag (GradScaler's), and leave weights, moments and step counts as they were. Not
+    where a strategy must hear of a skipped step as it happens (PowerSGD's error feedback)."""
+    fused = getattr(unwrap_optimizer(s.optimizer), "_step_supports_amp_scaling", False)
+    hears_of_skips = type(s.runtime.strategy).on_skipped_step is not Strategy.on_skipped_step
+    return bool(fused) and not hears_of_skips
+
+
+def _step_if_finite(rt: Runtime, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """The optimizer step, taken on the device only where `grad_norm` is finite; returns that, on the device."""
+    finite = torch.isfinite(grad_norm)
+    if isinstance(finite, DTensor):
+        finite = finite.full_tensor()
+    optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
+    try:
+        with implicit_replication():  # one flag for every parameter, DTensors of any mesh too (tensor parallelism)
+            rt.step(optimizer)
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+    return finite
 
 
 def _run(s: Session, window: MetricsWindow) -> TrainResult:
@@ -176,37 +209,66 @@ class _Loop:
         self.train_loss, self.val_loss = math.nan, val_loss
         self.checkpoint: Path | None = None
         self.skipped_in_a_row = 0
+        self.unsettled: list[tuple[int, StepResult]] = []  # steps whose skip decision is still on the device
 
     def step(self, step: int, batches: Iterator[Any]) -> StepResult:
         """Optimizer step `step` inside the parity probe's records; then the run's state advances and the metrics
-        window takes the step in (logging the window before it, now complete)."""
+        window takes the step in (logging the window before it, now complete). A step decided on the device is
+        settled (read back, a skip reported, an abort raised) at the next logging window, evaluation, checkpoint
+        or stop: every rank settles the same steps at the same point."""
         s, window, tcfg = self.s, self.window, self.s.config.train
+        log_now, grad_norm = False, math.nan
         try:
             s.hooks.before_step()  # the probe's collectives come before the step's own
             result = train_step(s, step, batches, window.carry())
             s.hooks.after_step(step, result.loss, result.targets, result.stepped)
-            self.skipped_in_a_row = 0 if result.stepped else self.skipped_in_a_row + 1
-            if self.skipped_in_a_row > tcfg.max_skipped_steps:
+            self.unsettled.append((step, result))
+            log_now = step % s.config.run.log_every == 0 or step == tcfg.max_steps or bool(result.stop_votes)
+            with s.profiler.phase("log"):
+                if log_now or self._pauses_after(step) or not isinstance(result.stepped, torch.Tensor):
+                    grad_norm = self.settle(with_norm=log_now)
+        except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
+            self.write_window(window.abort(e.reduce))
+            raise
+        s.state.step = step
+        s.state.samples_seen += s.split.global_batch
+        s.hooks.step_done(step)
+        if log_now:
+            window.close(step, result.lr, grad_norm)
+        s.profiler.step()
+        return result
+
+    def _pauses_after(self, step: int) -> bool:
+        """Whether an evaluation or a checkpoint follows `step` (evaluate_and_save)."""
+        tcfg, every = self.s.config.train, self.s.config.checkpoint.every
+        return bool(tcfg.eval_every and step % tcfg.eval_every == 0) or bool(every and step % every == 0)
+
+    def settle(self, with_norm: bool) -> float:
+        """The unsettled steps, in order, as the step itself would have taken them had it read its decision: a
+        skip is reported (or aborts, with nonfinite=abort or too many in a row) and the metrics window takes each
+        step in. One read of the device for all of them (and, `with_norm`, the last step's gradient norm, which it
+        returns; else NaN)."""
+        s, steps = self.s, self.unsettled
+        self.unsettled = []
+        on_device = [_plain(r.stepped) for _, r in steps if isinstance(r.stepped, torch.Tensor)]
+        numbers = on_device + ([_plain(steps[-1][1].grad_norm)] if with_norm else [])
+        device = s.runtime.device
+        read = torch.stack([n.to(device, torch.float32) for n in numbers]).tolist() if numbers else []
+        norm = read.pop() if with_norm else math.nan
+        for step, result in steps:
+            taken = bool(read.pop(0)) if isinstance(result.stepped, torch.Tensor) else result.stepped
+            if not taken and isinstance(result.stepped, torch.Tensor):  # skipped on the device: as the step would
+                _nonfinite(s, step, result.loss, result.reduce)  # have said it (abort raises)
+            self.skipped_in_a_row = 0 if taken else self.skipped_in_a_row + 1
+            if self.skipped_in_a_row > s.config.train.max_skipped_steps:
                 raise NonFiniteError(
                     f"{self.skipped_in_a_row} steps in a row were skipped (non-finite gradients), last: {step}",
                     result.reduce,
                 )
-        except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
-            self.write_window(window.abort(e.reduce))
-            raise
-        if not result.stepped:
-            s.runtime.strategy.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
-        s.state.step = step
-        s.state.samples_seen += s.split.global_batch
-        s.hooks.step_done(step)
-        with s.profiler.phase("log"):
-            self.write_window(
-                window.add(result.reduce, result.loss, result.targets, result.stepped)
-            )  # the previous window's
-            if step % s.config.run.log_every == 0 or step == tcfg.max_steps or result.stop_votes:
-                window.close(step, result.lr, result.grad_norm)
-        s.profiler.step()
-        return result
+            if not taken:
+                s.runtime.strategy.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
+            self.write_window(self.window.add(result.reduce, result.loss, result.targets, bool(taken)))
+        return norm
 
     def evaluate_and_save(self) -> None:
         """Evaluate and checkpoint when scheduled (not after the last step: `finish` does), outside the steps' time."""
@@ -266,6 +328,13 @@ class _Loop:
             state.step, self.train_loss, self.val_loss, initial_val_loss, self.checkpoint, sample, s.raw_model,
             preempted, exit_code,
         )  # fmt: skip
+
+
+def _plain(value: bool | torch.Tensor) -> torch.Tensor:
+    """A number of the step as a plain tensor (a DTensor's whole value; a bool as a CPU tensor)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value.detach().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
 
 
 def _stop_reason(stop: int) -> str:

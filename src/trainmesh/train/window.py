@@ -18,7 +18,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
 from trainmesh.metrics.monitor import Monitor
-from trainmesh.runtime.collectives import PendingReduce
+from trainmesh.runtime.collectives import PendingReduce, read_carried
 from trainmesh.runtime.runtime import Runtime
 
 log = get_logger(__name__)
@@ -47,7 +47,7 @@ class Record:
     def complete(self, last: list[float] | None = None) -> Record:
         """Fill in the loss, summed over ranks and steps / targets over ranks and steps, and every rank's phase
         times (`last`: the carried values of the final step, when no further step carried them)."""
-        carried = [r.carried() for r in self.reduces] + ([last] if last is not None else [])
+        carried = read_carried(self.reduces) + ([last] if last is not None else [])
         summed = sum(values[0] for values in carried)
         self.metrics["loss"] = summed / self.targets if self.targets else math.nan
         slots = carried[-1][1:]  # the completing all-reduce carried the ranks' times
@@ -122,7 +122,7 @@ class MetricsWindow:
         """Leave `seconds` (an evaluation, a checkpoint) out of the window's time."""
         self.start += seconds
 
-    def close(self, step: int, lr: float, grad_norm: torch.Tensor) -> None:
+    def close(self, step: int, lr: float, grad_norm: float) -> None:
         """End the window at `step` (its record completes with the next step, or `flush`); start the next."""
         now = time.perf_counter()
         elapsed = now - self.start
@@ -132,7 +132,7 @@ class MetricsWindow:
         self.own_times = [1000 * times_s[p] / self.steps for p in PHASES]
         metrics = {
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "step_time_ms": 1000 * elapsed / self.steps,
             "samples_per_s": self.split.global_batch * self.steps / elapsed,
             "skipped_steps": self.skipped,

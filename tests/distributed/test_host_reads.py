@@ -1,0 +1,60 @@
+"""No host read of a step's result inside the training step: trainmesh's own reads (`item`, `float`, `int`, `bool`,
+`tolist`) of floating-point and boolean tensors in a single-process run, counted as the run makes them. On a GPU
+each such read waits for the device to drain, and the next step's kernels start late."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from support import train_rank
+from trainmesh.testing import run_distributed
+
+pytestmark = pytest.mark.slow
+
+READS = ("item", "__float__", "__int__", "__bool__", "tolist")
+STEPS = 100
+
+
+def counted_run(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
+    """`train_rank` with every read of a floating-point or boolean tensor made by trainmesh's own code counted, by
+    the line that made it."""
+    reads: Counter[str] = Counter()
+
+    def counting(name: str) -> None:
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code
+            if (self.is_floating_point() or self.dtype == torch.bool) and "/trainmesh/" in caller.co_filename:
+                reads[f"{Path(caller.co_filename).name}:{caller.co_name}"] += 1
+            return original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, read)
+
+    for name in READS:
+        counting(name)
+    result = train_rank(rank, root, overrides)
+    return {**result, "reads": dict(reads)}
+
+
+def test_a_run_reads_its_results_back_at_the_logging_windows_only(tmp_path: Path) -> None:
+    """100 steps, a window every 20: the skip decision, the target count, the loss and the norm come back once a
+    window (and at the final evaluation and checkpoint), under 0.2 reads a step. With the fused AdamW (the default
+    on a GPU) the optimizer skips a non-finite step on the device."""
+    run = [
+        f"--train.max_steps={STEPS}",
+        "--run.log_every=20",
+        "--train.eval_every=0",
+        "--optim.fused=true",
+        "--train.grad_clip=1.0",
+    ]
+    (result,) = run_distributed(counted_run, 1, args=(str(tmp_path), run))
+    reads = result["reads"]
+    assert sum(reads.values()) < 0.2 * STEPS, reads
+    assert len(result["losses"]) == STEPS // 20  # every window logged, with its loss

@@ -154,11 +154,17 @@ class Trainer:
         train_step(self.session, self.done, self.batches, carry)
 
     def timed_step(self) -> float:
-        """Seconds of one step, started together on every rank."""
+        """Seconds of one step, started together on every rank (on a GPU: until the device is done with it)."""
+        self.synchronize()
         self.runtime.barrier()
         start = time.perf_counter()
         self.step()
+        self.synchronize()
         return time.perf_counter() - start
+
+    def synchronize(self) -> None:
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
 
 
 def measure_memory(trainer: Trainer) -> dict[str, int]:
@@ -173,6 +179,10 @@ def measure_memory(trainer: Trainer) -> dict[str, int]:
         grads.append(tensor_bytes(p.grad for p in model.parameters()))
 
     handle = optimizer.register_step_pre_hook(before_optimizer_step)
+    cuda = trainer.runtime.device.type == "cuda"
+    if cuda:  # the device's own peak of this step too (what the allocator handed out; not its cache or context)
+        trainer.synchronize()
+        torch.cuda.reset_peak_memory_stats(trainer.runtime.device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             trainer.step()
@@ -186,7 +196,9 @@ def measure_memory(trainer: Trainer) -> dict[str, int]:
         "act_held_after_step": sum(saved.now.values()),
     }
     assert len(grads) == 1, f"the optimizer stepped {len(grads)} times in one step"
+    device = {"device_peak": torch.cuda.max_memory_allocated(trainer.runtime.device)} if cuda else {}
     return {
+        **device,
         "params": tensor_bytes(model.parameters()),
         "grads": grads[0],
         "optimizer": optimizer_bytes(optimizer),

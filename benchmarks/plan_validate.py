@@ -44,10 +44,6 @@ COMPONENTS = {
     "gathered": "gathered_params",
 }
 """Predicted component -> the measurement's key (plan_measure.py)."""
-IN_STEP_ONLY = ("grads", "gathered")
-"""Under pipeline × fsdp the plan predicts the step's peak of these (torch's PipelineStage keeps gradients unsharded
-and parameters gathered until the schedule ends), which the measurement, at rest and at the ends of forwards, does
-not see: not compared there."""
 
 
 def predict(layout: dict[str, Any], rank: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
@@ -87,8 +83,7 @@ def compare(measured: list[dict[str, Any]], cluster: Cluster) -> list[dict[str, 
         if layout["status"] != "ok":
             continue
         timed = layout["world_size"] <= cluster.devices_per_node
-        in_step = layout["dims"]["pp"] > 1 and layout["strategy"] == "fsdp"
-        compared = [k for k in COMPONENTS if not (in_step and k in IN_STEP_ONLY)]
+        compared = list(COMPONENTS)  # what FSDP holds within a pipeline's schedule is in the temporaries
         for rank in layout["ranks"]:
             pred = predict(layout, rank, cluster)
             drift = layout.get("reference_s", calibrated_reference) / calibrated_reference if single else 1.0
@@ -122,7 +117,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         cells = []
         for k in COMPONENTS:
             m, p = r["measured"][k], r["predicted"][k]
-            mark = "" if m == p else "*" if k in r["compared"] else "†"
+            mark = "" if m == p else "*"
             cells.append(f"{m / MiB:6.2f}/{p / MiB:6.2f}{mark}")
         if r["timed"]:
             step = f"{r['measured_step_s'] * 1e3:5.0f}/{r['predicted_step_s'] * 1e3:5.0f} "
@@ -133,10 +128,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['layout']:<18} {r['rank']:>4} {r['stage']:>2} | " + " ".join(f"{c:>15}" for c in cells) + f" | {step}"
         )
-    print(
-        "\nMiB measured/predicted (* where they differ; † not compared: the plan's in-step peak under pipeline × "
-        "fsdp,\nthe measurement at rest); step ms measured/predicted and the prediction's error"
-    )
+    print("\nMiB measured/predicted (* where they differ); step ms measured/predicted and the prediction's error")
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:

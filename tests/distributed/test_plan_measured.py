@@ -26,6 +26,7 @@ CASES = (
     Case("fsdp grad-op", 2, ("--parallel.strategy=fsdp", "--parallel.fsdp.reshard_after_forward=false")),
     Case("pp2 1f1b", 2, PIPELINE),
     Case("tp2 x fsdp2", 4, ("--parallel.strategy=fsdp", "--parallel.tp=2")),
+    Case("pp2 x fsdp2", 4, ("--parallel.strategy=fsdp", *PIPELINE)),  # gradients sharded again at rest
 )
 
 
@@ -34,7 +35,7 @@ def test_every_component_of_every_rank_is_predicted() -> None:
     measured = measure_layouts(CASES, NANO, micro_batch=4, warmup=1, steps=1)
     assert [m["status"] for m in measured] == ["ok"] * len(CASES), measured
     rows = compare(measured, PRESETS["h100"])  # device memory only: the cluster's figures do not enter it
-    assert len(rows) == 2 + 2 + 2 + 4
+    assert len(rows) == 2 + 2 + 2 + 4 + 4
     for row in rows:
         for key in row["compared"]:
             assert row["predicted"][key] == pytest.approx(row["measured"][key], rel=0.01, abs=64), (row, key)

@@ -139,3 +139,18 @@ def test_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert len(result["round_medians"]) == 2
     assert result["profile"]["steps"] == 2, result["profile"]
     assert result["profile"]["phases_ms"]["forward_backward"] > 0
+
+
+def test_the_planners_gpu_validation_runs_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/plan_gpu.py (make gpu-check's calibration of the planner): without CUDA, one nano layout through the
+    same measurement and comparison, so the command is ready for a GPU visit."""
+    out = tmp_path / "plan_gpu.json"
+    script = BENCHMARK.parent / "plan_gpu.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--json", str(out)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and [row["layout"] for row in result["rows"]] == ["single mb8"]
+    assert result["rows"][0]["measured"]["params"] == result["rows"][0]["predicted"]["params"] > 0

@@ -188,7 +188,8 @@ def main() -> None:
     todo = [row for key in args.models for world in args.world_sizes for row in layouts(key, world)]
     done = json.loads(args.json.read_text())["rows"] if args.json.exists() else []  # a run to continue
     wanted = {key(r) for r in todo}
-    rows = [r for r in done if "failed" not in r and "skipped" not in r and key(r) in wanted]
+    # kept: every row measured before (other models and world sizes too), not one that failed or was skipped
+    rows = [r for r in done if not (key(r) in wanted and ("failed" in r or "skipped" in r))]
     seen = {key(r) for r in rows}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:

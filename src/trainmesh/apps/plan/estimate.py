@@ -128,11 +128,10 @@ def stage_memory(
     params = _bytes(held, cand.tp, shard, state.weights)
     optimizer = _bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
     # FSDP keeps gradients unsharded while they accumulate over the micro-steps (no_sync; unless it reduce-scatters
-    # every micro-step). Within a pipeline's schedule it keeps them unsharded over the pieces, and the stage gathered
-    # (torch's PipelineStage turns gradient sync and resharding after backward off until the schedule ends): that
-    # is in `temporaries`, below, for a step's schedule (the held gradients are those between micro-steps)
+    # every micro-step). A pipeline's schedule reduce-scatters at its end, every micro-step, and keeps them unsharded
+    # over its pieces (torch's PipelineStage defers gradient sync to the schedule's end): `temporaries`, below
     in_pipeline = fsdp and cand.pp > 1
-    unsharded_grads = fsdp and accum > 1 and not cand.reduce_every_microstep
+    unsharded_grads = fsdp and accum > 1 and not cand.reduce_every_microstep and not in_pipeline
     # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
     whole_grads = _bytes(held, cand.tp, 1, 4)
     grads = whole_grads if unsharded_grads else _bytes(held, cand.tp, shard, state.grads)
@@ -175,6 +174,12 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+        if stage == 0:  # or the end of a piece's backward: the embedding's whole gradient, before it is added to
+            # the others', beside autocast's cached weight copies and their gradients (most activations freed)
+            embedding = [p for p in held if p.name == "wte.weight"]
+            copies = 2.0 * blocks * act.block_weight_copy
+            end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + copies - activations
+            blocks_backward = max(blocks_backward, end)
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
         # computing (held in `gathered` already under grad-op; the block that backward prefetches is not there yet
         # at the peak, the dry run finds, but with checkpointing the recomputed forward's prefetch is), and the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -113,12 +114,12 @@ def main() -> None:
         )
     memory = [abs(error(r["predicted"][k], r["measured"][k])) for r in rows for k in r["compared"] if r["measured"][k]]
     steps = [abs(error(r["predicted_step_s"], r["measured_step_s"])) for r in rows]
-    summary = {
-        "step_within_15pct": sum(e <= 0.15 for e in steps) / len(steps),
-        "step_max_abs_error": max(steps),
-        "memory_within_5pct": sum(e <= 0.05 for e in memory) / len(memory),
-        "memory_max_abs_error": max(memory),
-        "peak_max_abs_error": max((abs(error(t["predicted"], t["measured"])) for t in totals), default=0.0),
+    summary = {  # NaN where no layout ran (each layout's error is in the JSON)
+        "step_within_15pct": sum(e <= 0.15 for e in steps) / len(steps) if steps else math.nan,
+        "step_max_abs_error": max(steps, default=math.nan),
+        "memory_within_5pct": sum(e <= 0.05 for e in memory) / len(memory) if memory else math.nan,
+        "memory_max_abs_error": max(memory, default=math.nan),
+        "peak_max_abs_error": max((abs(error(t["predicted"], t["measured"])) for t in totals), default=math.nan),
     }
     print("\n".join(f"{k}: {v:.4f}" for k, v in summary.items()) + f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:

@@ -80,3 +80,17 @@ def test_on_the_device_an_abort_is_found_at_the_window_and_names_the_step(
         run_distributed(train_rank, 2, args=(str(tmp_path), overrides))
     records = (tmp_path / "runs" / "w" / "metrics.jsonl").read_text().splitlines()
     assert not [line for line in records if '"kind": "train"' in line]  # no window completed before it
+
+
+@pytest.mark.parametrize("optimizer", [[], FUSED], ids=["read", "device"])
+def test_on_the_device_the_steps_before_the_window_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer: list[str]
+) -> None:
+    """A NaN at step 2 and a fault at the end of step 3, logging every 4 steps: reading the norm in the step aborts
+    at step 2; on the device (DDP's fused AdamW here, as on any strategy that needs no word of a skip) step 3 runs
+    and its fault fires first."""
+    monkeypatch.setenv(ENV_VAR, "rank=1,step=2,kind=nan;rank=0,step=3,kind=exception")
+    overrides = [*RUN, *optimizer, "--parallel.strategy=ddp", "--run.log_every=4", "--run.id=f"]
+    first = r"injected fault" if optimizer else r"non-finite gradient norm at step 2"
+    with pytest.raises(DistributedTestError, match=first):
+        run_distributed(train_rank, 2, args=(str(tmp_path), overrides))

@@ -123,3 +123,23 @@ def test_bf16_true_fsdp_accumulates_whole_gradients_in_fp32() -> None:
     )
     assert measured["params"] == pytest.approx(2 * PARAMS / 8, rel=1e-3)
     assert measured["grads"] == pytest.approx(4 * PARAMS, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--parallel.strategy=ddp", "--train.global_batch=16"],  # 2 micro-steps of DDP, each synchronised
+        ["--parallel.tp=2", "--train.global_batch=8"],  # the stages' inputs reused by both micro-steps
+        ["--parallel.strategy=ddp", "--parallel.pipeline.schedule=interleaved_1f1b", "--train.global_batch=8"],
+        ["--parallel.strategy=fsdp", "--parallel.tp=2", "--train.precision=bf16-mixed"],  # fsdp over 1 replica
+    ],
+    ids=["ddp-accumulating", "tp-accumulating", "interleaved", "fsdp-one-replica"],
+)
+def test_every_kind_of_pipeline_dry_runs(overrides: list[str]) -> None:
+    """Pipelines with accumulation (each micro-step synchronises at its schedule's end: one is run), two stages per
+    rank (MemTracker's statistics of the rank's other stage kept), and fsdp that wraps nothing (no cast)."""
+    base = ["--model.n_layer=4", "--train.global_batch_tokens=0", "--train.micro_batch=4", "--parallel.pp=2"]
+    job = resolve(load_config(None, [*base, "--train.global_batch=4", *overrides], "gpt"), 4)
+    run = dry_run(job)
+    assert run.micro_steps == 1 and [r.stage for r in run.ranks] == [0, 1]
+    assert all(r.peak > r.components["params"] > 0 for r in run.ranks)

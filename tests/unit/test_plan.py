@@ -18,7 +18,7 @@ from trainmesh.apps.plan.layouts import Candidate, candidates
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
 from trainmesh.core.machine import host_memory
-from trainmesh.job.spec import load_config
+from trainmesh.job.spec import load_config, resolve
 from trainmesh.recipes.gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -242,3 +242,13 @@ def test_calibration_recovers_the_compute_rate_and_the_tensor_parallel_share() -
     ddp = estimate(Workload.from_config(config, 16), Candidate("ddp", 1, 1, 2, 1, 0, 8, 1), cpu)
     assert ddp.time["compute"] == pytest.approx(1.3 * alone.time["compute"])
     assert ddp.time["optimizer"] == pytest.approx(1.3 * alone.time["optimizer"])
+
+
+def test_fsdp_alone_on_one_device_is_planned_as_sharded_over_it() -> None:
+    """One process: FSDP wraps over its one rank (CPU offload moves the state to host memory), unlike fsdp beside
+    tensor-parallel ranks with one replica, which wraps nothing."""
+    fsdp = ["--parallel.strategy=fsdp"]
+    alone = resolve(load_config(None, [*fsdp, "--parallel.fsdp.cpu_offload=true"], "gpt"), 1)
+    beside = resolve(load_config(None, [*fsdp, "--parallel.tp=2"], "gpt"), 2)
+    assert Candidate.from_job(alone).kind == "fsdp-offload"
+    assert Candidate.from_job(beside).kind == "single"

@@ -275,3 +275,8 @@ class Strategy(ABC):
     def on_skipped_step(self) -> None:
         """The step's gradients were not finite and the optimizer skipped it: forget what was built from them."""
         return  # most strategies keep nothing of a step's gradients
+
+    @property
+    def hears_of_skips(self) -> bool:
+        """Whether `on_skipped_step` must run as the step is skipped (then the loop reads its decision at once)."""
+        return False

@@ -132,6 +132,10 @@ class DDPStrategy(Strategy):
         if self._powersgd is not None:
             self._powersgd.reset()  # its error feedback and Qs hold the non-finite gradient now
 
+    @property
+    def hears_of_skips(self) -> bool:
+        return self._powersgd is not None
+
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         if enabled and isinstance(module, DistributedDataParallel):

@@ -35,7 +35,6 @@ from trainmesh.recipes.base import Recipe
 from trainmesh.runtime.collectives import PendingReduce
 from trainmesh.runtime.optimizer import unwrap_optimizer
 from trainmesh.runtime.runtime import Runtime
-from trainmesh.strategies.base import Strategy
 from trainmesh.train.hooks import RunHooks
 from trainmesh.train.optim import lr_at, set_lr
 from trainmesh.train.preemption import PreemptionWatch
@@ -148,8 +147,7 @@ def _skips_on_device(s: Session) -> bool:
     optimizers take a `found_inf` flag (GradScaler's), and leave weights, moments and step counts as they were. Not
     where a strategy must hear of a skipped step as it happens (PowerSGD's error feedback)."""
     fused = getattr(unwrap_optimizer(s.optimizer), "_step_supports_amp_scaling", False)
-    hears_of_skips = type(s.runtime.strategy).on_skipped_step is not Strategy.on_skipped_step
-    return bool(fused) and not hears_of_skips
+    return bool(fused) and not s.runtime.strategy.hears_of_skips
 
 
 def _step_if_finite(rt: Runtime, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -222,6 +220,7 @@ class _Loop:
             s.hooks.before_step()  # the probe's collectives come before the step's own
             result = train_step(s, step, batches, window.carry())
             s.hooks.after_step(step, result.loss, result.targets, result.stepped)
+            self.write_window(window.take(result.reduce))  # the previous window's, complete
             self.unsettled.append((step, result))
             log_now = step % s.config.run.log_every == 0 or step == tcfg.max_steps or bool(result.stop_votes)
             with s.profiler.phase("log"):
@@ -267,7 +266,7 @@ class _Loop:
                 )
             if not taken:
                 s.runtime.strategy.on_skipped_step()  # e.g. PowerSGD's error feedback took in the non-finite gradient
-            self.write_window(self.window.add(result.reduce, result.loss, result.targets, bool(taken)))
+            self.window.count(result.loss, result.targets, bool(taken))
         return norm
 
     def evaluate_and_save(self) -> None:

@@ -100,23 +100,25 @@ class MetricsWindow:
         )
         return torch.cat([loss.reshape(1), slots.to(loss.device)])
 
-    def add(
-        self, reduce: PendingReduce, step_loss: torch.Tensor, global_targets: float, stepped: bool
-    ) -> Record | None:
-        """One optimizer step, whose all-reduce `reduce` carried the loss of the steps before it. Returns the
-        window closed at the previous step, now complete, if there is one."""
+    def take(self, reduce: PendingReduce) -> Record | None:
+        """A step's all-reduce, which carried the loss of the steps before it. Returns the window closed at the
+        previous step, now complete, if there is one."""
         done, self.closed = self.closed, None
-        if done is not None:
-            done.reduces.append(reduce)  # it carried the closed window's last step
-        else:
+        if done is None:
             self.reduces.append(reduce)
-        if stepped:  # the logged loss is that of the steps taken
+            return None
+        done.reduces.append(reduce)  # it carried the closed window's last step
+        return self._checked(done.complete())
+
+    def count(self, step_loss: torch.Tensor, global_targets: float, stepped: bool) -> None:
+        """A step's loss and targets, once it is known whether it was taken (the logged loss is that of the steps
+        taken)."""
+        if stepped:
             self.unsent += step_loss
             self.targets += global_targets
         else:
             self.skipped += 1
         self.steps += 1
-        return self._checked(done.complete()) if done is not None else None
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (an evaluation, a checkpoint) out of the window's time."""

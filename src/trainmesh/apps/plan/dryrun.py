@@ -128,6 +128,8 @@ def dry_run(job: Job, micro_steps: int | None = 2, stages: list[int] | None = No
     run_rank)."""
     fake = dry_run_job(job)
     steps = fake.batch.accum_steps if micro_steps is None else max(1, min(micro_steps, fake.batch.accum_steps))
+    if fake.layout.dims.pp > 1:  # every micro-step of a pipeline synchronises at its schedule's end: one shows all
+        steps = 1
     ranks = stage_ranks(fake)
     chosen = range(len(ranks)) if stages is None else stages
     return DryRun(fake, [run_rank(fake, ranks[stage], stage, steps) for stage in chosen], steps)
@@ -166,7 +168,8 @@ def pipeline_boundaries(job: Job, runtime: Runtime, whole: nn.Module) -> list[to
     piece = job.batch.micro_batch // strategy.options.microbatches
     x = torch.zeros((piece, job.batch.tokens_per_sample), dtype=torch.long, device="meta")
     boundaries = [x]
-    cast = getattr(strategy.inner, "param_dtype", None)  # FSDP's mixed precision computes, and sends, in its dtype
+    # FSDP's mixed precision computes, and sends, in its dtype (where it wraps: over more than one replica)
+    cast = getattr(strategy.inner, "param_dtype", None) if strategy.dp_size > 1 else None
     for index in range(strategy.num_stages):
         x = cut(whole, index, strategy.num_stages)(x)
         boundaries.append(x.to(cast) if cast is not None and x.is_floating_point() else x)

@@ -135,13 +135,14 @@ def stage_memory(
     # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
     whole_grads = _bytes(held, cand.tp, 1, 4)
     grads = whole_grads if unsharded_grads else _bytes(held, cand.tp, shard, state.grads)
-    if cand.strategy == "ddp" and accum > 1:  # DDP's buckets, allocated once, beside the gradients of the micro-steps
-        grads *= 2  # before the last (zero_grad(set_to_none) leaves them to autograd; the dry run found this)
+    if cand.strategy == "ddp" and accum > 1 and cand.pp == 1:  # DDP's buckets, allocated once, beside the gradients
+        grads *= 2  # of the micro-steps before the last (zero_grad(set_to_none) leaves them to autograd; the dry run
+        # found this). A pipeline's micro-steps all synchronise: its pieces' own gradients are in the temporaries
     # a vocabulary-parallel embedding's gradient comes back whole when no head on the stage shares the weight: held
     # so (the pipeline's clipping takes this rank's rows), or under fsdp until it is reduce-scattered (temporaries)
     embedding = [p for p in held if p.name == "wte.weight"] if cand.pp > 1 and cand.tp > 1 and stage == 0 else []
-    whole_embedding = _bytes(embedding, 1, 1, precision.gather if fsdp else 4)  # fsdp: in its param_dtype
-    grads += 0.0 if fsdp else whole_embedding - _bytes(embedding, cand.tp, 1, 4)
+    whole_embedding = _bytes(embedding, 1, 1, precision.gather if fsdp else state.grads)  # fsdp: its param_dtype
+    grads += 0.0 if fsdp else whole_embedding - _bytes(embedding, cand.tp, 1, state.grads)
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
         host = {"params": params, "grads": _bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}

@@ -23,11 +23,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _redistribute as redistribute
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+_WARMUP_P2P = _PipelineSchedule._warmup_p2p  # what static_pipeline replaces: a torch without it fails on import here
 TOTAL = "Total"
 
 
@@ -63,11 +66,16 @@ def _forget_meshes() -> None:
     """DTensor caches the shardings it worked out, with their device meshes, and a mesh compares equal to another of
     its shape whatever its ranks: a later rank in this process (another pipeline stage) would be handed this one's
     mesh, whose process groups are gone."""
-    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ dispatch's
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-    redistribute._gen_transform_infos.cache_clear()
-    redistribute.clear_redistribute_planner_cache()
+    caches = (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # its C++ dispatch's
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear,
+        getattr(ShardingPropagator._propagate_tensor_meta_cached, "cache_clear", None),
+        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),
+    )
+    for clear in caches:  # each where this torch has it
+        if clear is not None:
+            clear()
 
 
 @contextlib.contextmanager
@@ -127,8 +135,6 @@ def static_pipeline(boundaries: Sequence[torch.Tensor]) -> Iterator[None]:
     puts out), as a stage given `input_args` and `output_args` is, and checks them against every tensor that passes
     (torch's own validation, which a run turns on with TORCH_DISTRIBUTED_DEBUG=DETAIL). Then the dry run's step is
     every step's: the first step's shape inference, an extra forward and backward, does not happen."""
-    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     def told(schedule: _PipelineSchedule, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
@@ -185,13 +191,14 @@ class LiveBytes(MemTracker):
     and `peak()` (since `reset_peak()`), in bytes, all devices together (its breakdown by when a storage was made is
     not the planner's components: probes.py measures those).
     MemTracker refuses a module called twice at the top level (it keeps per-module statistics of one iteration):
-    micro-steps and pipeline pieces do that, so those statistics, which nothing here reads, are cleared first."""
+    micro-steps and pipeline pieces do that, so that module's statistics, which nothing here reads, are dropped
+    first (only its own: a rank's other pipeline stage still has backwards to run)."""
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:

@@ -86,8 +86,8 @@ class Candidate:
         strategy, dims = job.layout
         par = job.config.parallel
         kind = {"ddp": "ddp", "single": "single", "dp": "single"}.get(strategy, "fsdp")
-        if dims.dp_size == 1:  # fsdp over one data-parallel rank wraps nothing (FSDPStrategy.wrap)
-            kind = "single"
+        if dims.dp_size == 1 and dims.world_size > 1:  # fsdp over one data-parallel rank beside tensor or pipeline
+            kind = "single"  # ranks wraps nothing (FSDPStrategy.wrap); alone, it shards over its one rank
         if kind == "fsdp":
             if par.fsdp.cpu_offload:
                 kind = "fsdp-offload"

@@ -106,15 +106,17 @@ class SavedActivations:
         self.where = "blocks"
         for arg in args:
             if isinstance(arg, torch.Tensor) and arg.requires_grad and (release := self._hold(arg, "blocks")):
-                self.handles.append(arg.register_hook(functools.partial(self._input_done, release)))
+                # once: a pipeline stage's input is torch's receive buffer, reused by every micro-step
+                self.handles.append(arg.register_hook(functools.partial(self._input_done, release, [False])))
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         del module, args, output
         self.where = "outside"
 
-    def _input_done(self, release: Callable[[], None], grad: torch.Tensor) -> None:
+    def _input_done(self, release: Callable[[], None], done: list[bool], grad: torch.Tensor) -> None:
         del grad
-        if not self.closed:
+        if not self.closed and not done[0]:
+            done[0] = True
             release()
 
     def close(self) -> int:

@@ -175,11 +175,15 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
-        if stage == 0:  # or the end of a piece's backward: the embedding's whole gradient, before it is added to
-            # the others', beside autocast's cached weight copies and their gradients (most activations freed)
+        if stage == 0:  # or the end of a later piece's backward: the embedding's whole gradient before it is added
+            # to the earlier pieces', beside autocast's cached weight copies and their gradients, and the pieces
+            # still in flight (the second piece's end: the fewest behind it, of the most ahead of it)
             embedding = [p for p in held if p.name == "wte.weight"]
+            in_flight = pieces_in_flight(cand, stage)
+            per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
+            ahead = max(0.0, min(in_flight - 1, cand.microbatches - 2))
             copies = 2.0 * blocks * act.block_weight_copy
-            end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + copies - activations
+            end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + copies + ahead * per_piece - activations
             blocks_backward = max(blocks_backward, end)
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
         # computing (held in `gathered` already under grad-op; the block that backward prefetches is not there yet

@@ -220,10 +220,10 @@ class _Loop:
             s.hooks.before_step()  # the probe's collectives come before the step's own
             result = train_step(s, step, batches, window.carry())
             s.hooks.after_step(step, result.loss, result.targets, result.stepped)
+            self.write_window(window.take(result.reduce))  # the previous window's, complete
             self.unsettled.append((step, result))
             log_now = step % s.config.run.log_every == 0 or step == tcfg.max_steps or bool(result.stop_votes)
             with s.profiler.phase("log"):
-                self.write_window(window.take(result.reduce))  # the previous window's, complete
                 if log_now or self._pauses_after(step) or not isinstance(result.stepped, torch.Tensor):
                     grad_norm = self.settle(with_norm=log_now)
         except NonFiniteError as e:  # every rank decided the same: the records of the steps before are kept
@@ -233,8 +233,7 @@ class _Loop:
         s.state.samples_seen += s.split.global_batch
         s.hooks.step_done(step)
         if log_now:
-            with s.profiler.phase("log"):
-                window.close(step, result.lr, grad_norm)
+            window.close(step, result.lr, grad_norm)
         s.profiler.step()
         return result
 

@@ -76,21 +76,33 @@ def test_hybrid_sharding_with_tensor_parallelism_and_checkpointing_at_512() -> N
     assert measured["params"] == pytest.approx(4 * PARAMS / 32, rel=0.05)  # over 8 shards × 4 tensor-parallel ranks
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp-grad-op-tp"])
+PIPELINE_LAYOUTS = {
+    "ddp": ["--parallel.strategy=ddp", "--train.global_batch=32"],
+    "ddp-checkpointed": ["--parallel.strategy=ddp", "--parallel.activation_checkpointing=1", "--train.global_batch=32"],
+    "fsdp-grad-op-tp": [
+        "--parallel.strategy=fsdp",
+        "--parallel.fsdp.reshard_after_forward=false",
+        "--parallel.tp=2",
+        "--train.global_batch=16",
+    ],
+    "fsdp-accumulating": ["--parallel.strategy=fsdp", "--train.global_batch=64"],
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))
 def test_a_pipeline_dry_runs_each_stage_and_agrees_with_the_plan(layout: str) -> None:
     """Each stage told its neighbours' shapes (torch's own check holds them to the tensors that pass); every stage's
     components agree, the last stage included: it keeps no outputs (logits) of the step's pieces, only their losses.
-    The second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh."""
-    data = ["--parallel.strategy=ddp"]
-    if layout != "ddp":
-        data = ["--parallel.strategy=fsdp", "--parallel.fsdp.reshard_after_forward=false", "--parallel.tp=2"]
+    The second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh.
+    Checkpointed blocks' autocast weight copies live through backward (the schedule's autocast is still entered);
+    under accumulation FSDP's reduced shards of the first micro-step are held beside the next one's whole gradients
+    (two micro-steps are run)."""
     stages = _stages(
         8,
-        *data,
+        *PIPELINE_LAYOUTS[layout],
         "--parallel.pp=2",
         "--parallel.pipeline.microbatches=4",
         "--train.micro_batch=8",
-        f"--train.global_batch={8 * (4 if layout == 'ddp' else 2)}",
     )
     assert len(stages) == 2
     last, _ = stages[1]
@@ -126,20 +138,21 @@ def test_bf16_true_fsdp_accumulates_whole_gradients_in_fp32() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "micro_steps"),
     [
-        ["--parallel.strategy=ddp", "--train.global_batch=16"],  # 2 micro-steps of DDP, each synchronised
-        ["--parallel.tp=2", "--train.global_batch=8"],  # the stages' inputs reused by both micro-steps
-        ["--parallel.strategy=ddp", "--parallel.pipeline.schedule=interleaved_1f1b", "--train.global_batch=8"],
-        ["--parallel.strategy=fsdp", "--parallel.tp=2", "--train.precision=bf16-mixed"],  # fsdp over 1 replica
+        # 2 micro-steps of DDP, each synchronised (one is run: DDP's reducer rebuilds its buckets after the first)
+        (["--parallel.strategy=ddp", "--train.global_batch=16"], 1),
+        (["--parallel.tp=2", "--train.global_batch=8"], 2),  # the stages' inputs reused by both micro-steps
+        (["--parallel.strategy=ddp", "--parallel.pipeline.schedule=interleaved_1f1b", "--train.global_batch=8"], 1),
+        (["--parallel.strategy=fsdp", "--parallel.tp=2", "--train.precision=bf16-mixed"], 1),  # fsdp over 1 replica
     ],
     ids=["ddp-accumulating", "tp-accumulating", "interleaved", "fsdp-one-replica"],
 )
-def test_every_kind_of_pipeline_dry_runs(overrides: list[str]) -> None:
-    """Pipelines with accumulation (each micro-step synchronises at its schedule's end: one is run), two stages per
-    rank (MemTracker's statistics of the rank's other stage kept), and fsdp that wraps nothing (no cast)."""
+def test_every_kind_of_pipeline_dry_runs(overrides: list[str], micro_steps: int) -> None:
+    """Pipelines with accumulation, two stages per rank (MemTracker's statistics of the rank's other stage kept), and
+    fsdp that wraps nothing (no cast)."""
     base = ["--model.n_layer=4", "--train.global_batch_tokens=0", "--train.micro_batch=4", "--parallel.pp=2"]
     job = resolve(load_config(None, [*base, "--train.global_batch=4", *overrides], "gpt"), 4)
     run = dry_run(job)
-    assert run.micro_steps == 1 and [r.stage for r in run.ranks] == [0, 1]
+    assert run.micro_steps == micro_steps and [r.stage for r in run.ranks] == [0, 1]
     assert all(r.peak > r.components["params"] > 0 for r in run.ranks)

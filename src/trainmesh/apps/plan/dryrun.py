@@ -128,7 +128,9 @@ def dry_run(job: Job, micro_steps: int | None = 2, stages: list[int] | None = No
     run_rank)."""
     fake = dry_run_job(job)
     steps = fake.batch.accum_steps if micro_steps is None else max(1, min(micro_steps, fake.batch.accum_steps))
-    if fake.layout.dims.pp > 1:  # every micro-step of a pipeline synchronises at its schedule's end: one shows all
+    if fake.layout.dims.pp > 1 and fake.config.parallel.strategy == "ddp":  # a DDP pipeline synchronises every
+        # micro-step, and DDP's reducer then rebuilds its buckets in C++, which needs real memory: one micro-step
+        # (later ones accumulate into the same gradients; FSDP's keep the reduced shards beside: two show that)
         steps = 1
     ranks = stage_ranks(fake)
     chosen = range(len(ranks)) if stages is None else stages

@@ -170,7 +170,12 @@ def stage_memory(
     compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
     loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
-    blocks_backward = act.recompute_peak if checkpointed else 0.0
+    # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks' weights
+    # are then alive (elsewhere autocast has exited and freed them)
+    cached = checkpointed * act.block_weight_copy if cand.pp > 1 else 0.0
+    blocks_backward = (act.recompute_peak if checkpointed else 0.0) + cached
+    in_flight = pieces_in_flight(cand, stage)
+    per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
     if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
@@ -179,8 +184,6 @@ def stage_memory(
             # to the earlier pieces', beside autocast's cached weight copies and their gradients, and the pieces
             # still in flight (the second piece's end: the fewest behind it, of the most ahead of it)
             embedding = [p for p in held if p.name == "wte.weight"]
-            in_flight = pieces_in_flight(cand, stage)
-            per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
             ahead = max(0.0, min(in_flight - 1, cand.microbatches - 2))
             copies = 2.0 * blocks * act.block_weight_copy
             end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + copies + ahead * per_piece - activations
@@ -204,11 +207,14 @@ def stage_memory(
             gather = precision.gather
             blocks_backward = max(blocks_backward + (root + 2 * block) * gather, 2 * (root + block) * gather)
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
-    loss_backward = 2 * logits + (compute_copy if cand.pp > 1 else 0.0)
+    loss_backward = 2 * logits + (compute_copy + cached if cand.pp > 1 and last else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:
-        temporaries += _schedule_memory(spec, cand, stage, stream, grads, whole_grads)
+        # the pieces' gradients exist once the first piece's backward is done: without its activations, and
+        # without those of pieces no forward is left to replace
+        freed = (in_flight - min(in_flight, cand.microbatches - 1)) * per_piece
+        temporaries += _schedule_memory(spec, cand, stage, stream, grads, whole_grads, accum, freed)
         temporaries += whole_embedding if fsdp else 0.0
     parts = {
         "params": params,
@@ -223,20 +229,31 @@ def stage_memory(
 
 
 def _schedule_memory(
-    spec: ModelSpec, cand: Candidate, stage: int, stream: float, grads: float, whole_grads: float
+    spec: ModelSpec,
+    cand: Candidate,
+    stage: int,
+    stream: float,
+    grads: float,
+    whole_grads: float,
+    accum: int,
+    freed: float,
 ) -> float:
     """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
     receive buffers, one per piece and direction, kept from the first step on; DDP's gradients of the pieces before
-    the last (accumulated under no_sync) beside its buckets; FSDP's gradients, whole until the schedule ends; on the
-    first stage, the outputs of its other pieces in flight (sent on as they are)."""
+    the last (accumulated under no_sync) beside its buckets; FSDP's gradients, whole until the schedule ends (beside
+    the sharded ones that earlier micro-steps reduced, under accumulation); on the first stage, the outputs of its
+    other pieces in flight (sent on as they are). The gradients' share is less what the activations have `freed` by
+    the time they all exist."""
     first, last = stage == 0, stage == cand.pp - 1
     tokens = cand.micro_batch // cand.microbatches * spec.seq
     sent = tokens * spec.n_embd * stream  # a piece's residual stream
     out = cand.microbatches * sent * ((not first) + (not last))
+    piece_grads = 0.0
     if cand.kind == "ddp" and cand.microbatches > 1:
-        out += grads
+        piece_grads += grads
     if cand.strategy == "fsdp":
-        out += max(0.0, whole_grads - grads)
+        piece_grads += max(0.0, whole_grads - (grads if accum == 1 else 0.0))
+    out += max(0.0, piece_grads - freed)
     if first:
         out += sent * (pieces_in_flight(cand, stage) - 1)
     return out

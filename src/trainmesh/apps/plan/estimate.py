@@ -139,10 +139,12 @@ def stage_memory(
         grads *= 2  # of the micro-steps before the last (zero_grad(set_to_none) leaves them to autograd; the dry run
         # found this). A pipeline's micro-steps all synchronise: its pieces' own gradients are in the temporaries
     # a vocabulary-parallel embedding's gradient comes back whole when no head on the stage shares the weight: held
-    # so (the pipeline's clipping takes this rank's rows), or under fsdp until it is reduce-scattered (temporaries)
+    # so (the pipeline's clipping takes this rank's rows), or under fsdp, in its fp32, until it is reduce-scattered
+    # (temporaries): the rest of the vocabulary's rows, beyond this rank's
     embedding = [p for p in held if p.name == "wte.weight"] if cand.pp > 1 and cand.tp > 1 and stage == 0 else []
-    whole_embedding = _bytes(embedding, 1, 1, precision.gather if fsdp else state.grads)  # fsdp: its param_dtype
-    grads += 0.0 if fsdp else whole_embedding - _bytes(embedding, cand.tp, 1, state.grads)
+    grad_bytes = 4 if fsdp else state.grads
+    whole_embedding = _bytes(embedding, 1, 1, grad_bytes) - _bytes(embedding, cand.tp, 1, grad_bytes)
+    grads += 0.0 if fsdp else whole_embedding
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
         host = {"params": params, "grads": _bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
@@ -180,6 +182,8 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+    in_block = blocks_backward  # what a block's backward itself holds
+    if cand.pp > 1:
         if stage == 0:  # or the end of a later piece's backward: the embedding's whole gradient before it is added
             # to the earlier pieces', beside autocast's cached weight copies and their gradients, and the pieces
             # still in flight (the second piece's end: the fewest behind it, of the most ahead of it)
@@ -203,9 +207,16 @@ def stage_memory(
             blocks_backward += 0.0 if gathered else units * precision.gather
             blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
         elif not gathered:  # a schedule regathers units for each piece's backward: the root and two blocks during
-            # a block's, or a unit twice (its all-gather buffer and the parameters) as it is copied out
-            gather = precision.gather
-            blocks_backward = max(blocks_backward + (root + 2 * block) * gather, 2 * (root + block) * gather)
+            # a block's (three when a recomputed forward prefetches another of the stage's), or a unit twice (its
+            # all-gather buffer and the parameters) as it is copied out
+            gather, during = precision.gather, root + (3 if checkpointed and blocks > 1 else 2) * block
+            # torch's schedule turns FSDP's resharding after backward off until the last piece: each unit stays
+            # gathered until the next forward passes it, so by a piece's last block's backward the stage's whole
+            # parameters are, beside what that backward holds and its block's gradient (or then, on the first stage,
+            # the root's), and the other pieces in flight
+            last_unit = max(in_block + block * gather, root * gather if stage == 0 else 0.0)
+            end = whole + last_unit + (in_flight - 1) * per_piece - activations
+            blocks_backward = max(blocks_backward + during * gather, 2 * (root + block) * gather, end)
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
     loss_backward = 2 * logits + (compute_copy + cached if cand.pp > 1 and last else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first

@@ -176,56 +176,60 @@ def stage_memory(
     # are then alive (elsewhere autocast has exited and freed them)
     cached = checkpointed * act.block_weight_copy if cand.pp > 1 else 0.0
     blocks_backward = (act.recompute_peak if checkpointed else 0.0) + cached
-    in_flight = pieces_in_flight(cand, stage)
-    per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
     if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
     in_block = blocks_backward  # what a block's backward itself holds
-    if cand.pp > 1:
-        if stage == 0:  # or the end of a later piece's backward: the embedding's whole gradient before it is added
-            # to the earlier pieces', beside autocast's cached weight copies and their gradients, and the pieces
-            # still in flight (the second piece's end: the fewest behind it, of the most ahead of it)
-            embedding = [p for p in held if p.name == "wte.weight"]
-            ahead = max(0.0, min(in_flight - 1, cand.microbatches - 2))
-            copies = 2.0 * blocks * act.block_weight_copy
-            end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + copies + ahead * per_piece - activations
-            blocks_backward = max(blocks_backward, end)
+    root = block = 0.0
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
         # computing (held in `gathered` already under grad-op; the block that backward prefetches is not there yet
         # at the peak, the dry run finds, but with checkpointing the recomputed forward's prefetch is), and the
         # gradients of the root and the block, in the gathered dtype (FSDP's param_dtype) before they are reduced
         # (while they accumulate unsharded, they are in `grads` already)
-        root = shard * _bytes([p for p in held if p.block is None], cand.tp, shard, 1)
+        root = shard * _bytes([p for p in held if p.block is None], cand.tp, shard, precision.gather)
         in_blocks = {p.block for p in held if p.block is not None}
         block = max(
-            (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, 1) for b in in_blocks), default=0.0
+            (shard * _bytes([p for p in held if p.block == b], cand.tp, shard, precision.gather) for b in in_blocks),
+            default=0.0,
         )
         units = root + (2 if checkpointed else 1) * block  # a recomputed forward prefetches the next block too
         if not in_pipeline:
-            blocks_backward += 0.0 if gathered else units * precision.gather
-            blocks_backward += 0.0 if unsharded_grads else (root + block) * precision.gather
+            blocks_backward += 0.0 if gathered else units
+            blocks_backward += 0.0 if unsharded_grads else root + block
         elif not gathered:  # a schedule regathers units for each piece's backward: the root and two blocks during
             # a block's (three when a recomputed forward prefetches another of the stage's), or a unit twice (its
             # all-gather buffer and the parameters) as it is copied out
-            gather, during = precision.gather, root + (3 if checkpointed and blocks > 1 else 2) * block
-            # torch's schedule turns FSDP's resharding after backward off until the last piece: each unit stays
-            # gathered until the next forward passes it, so by a piece's last block's backward the stage's whole
-            # parameters are, beside what that backward holds and its block's gradient (or then, on the first stage,
-            # the root's), and the other pieces in flight
-            last_unit = max(in_block + block * gather, root * gather if stage == 0 else 0.0)
-            end = whole + last_unit + (in_flight - 1) * per_piece - activations
-            blocks_backward = max(blocks_backward + during * gather, 2 * (root + block) * gather, end)
+            during = root + (3 if checkpointed and blocks > 1 else 2) * block
+            blocks_backward = max(blocks_backward + during, 2 * (root + block))
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
     loss_backward = 2 * logits + (compute_copy + cached if cand.pp > 1 and last else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:
-        # the pieces' gradients exist once the first piece's backward is done: without its activations, and
-        # without those of pieces no forward is left to replace
+        in_flight = pieces_in_flight(cand, stage)
+        per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
+        later = max(0.0, min(in_flight - 1, cand.microbatches - 2))  # pieces ahead at the second piece's end
+        # The end of a piece's backward: the first piece's (the pieces' gradients do not exist yet, the most pieces
+        # are ahead), or the second's (they do; the fewest pieces behind it, of the most ahead of it).
+        first_end = second_end = ending = 0.0  # ending: what the end of a piece's backward holds
+        if stage == 0:  # the embedding's whole gradient before it is added to the earlier pieces', beside
+            # autocast's cached weight copies and their gradients
+            embedding = [p for p in held if p.name == "wte.weight"]
+            ending = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + 2.0 * blocks * act.block_weight_copy
+        if in_pipeline and not gathered:  # torch's schedule turns FSDP's resharding after backward off until the
+            # last piece: each unit stays gathered until the next forward passes it, so by a piece's last block's
+            # backward the stage's whole parameters are, beside what that backward holds and its block's gradient
+            ending = whole + max(in_block + block, ending)
+            first_end = ending + (in_flight - 1) * per_piece - activations
+        if ending:
+            second_end = ending + later * per_piece - activations
+        # the pieces' gradients exist once the first piece's backward is done: inside a later piece, beside the
+        # activations of all but that first piece (and of those no forward is left to replace)
         freed = (in_flight - min(in_flight, cand.microbatches - 1)) * per_piece
-        temporaries += _schedule_memory(spec, cand, stage, stream, grads, whole_grads, accum, freed)
+        piece_grads = _pieces_gradients(cand, grads, whole_grads, accum)
+        temporaries = max(temporaries + max(0.0, piece_grads - freed), first_end, second_end + piece_grads)
+        temporaries += _schedule_memory(spec, cand, stage, stream)
         temporaries += whole_embedding if fsdp else 0.0
     parts = {
         "params": params,
@@ -239,34 +243,26 @@ def stage_memory(
     return parts, host
 
 
-def _schedule_memory(
-    spec: ModelSpec,
-    cand: Candidate,
-    stage: int,
-    stream: float,
-    grads: float,
-    whole_grads: float,
-    accum: int,
-    freed: float,
-) -> float:
+def _schedule_memory(spec: ModelSpec, cand: Candidate, stage: int, stream: float) -> float:
     """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
-    receive buffers, one per piece and direction, kept from the first step on; DDP's gradients of the pieces before
-    the last (accumulated under no_sync) beside its buckets; FSDP's gradients, whole until the schedule ends (beside
-    the sharded ones that earlier micro-steps reduced, under accumulation); on the first stage, the outputs of its
-    other pieces in flight (sent on as they are). The gradients' share is less what the activations have `freed` by
-    the time they all exist."""
+    receive buffers, one per piece and direction, kept from the first step on; on the first stage, the outputs of
+    its other pieces in flight (sent on as they are)."""
     first, last = stage == 0, stage == cand.pp - 1
     tokens = cand.micro_batch // cand.microbatches * spec.seq
     sent = tokens * spec.n_embd * stream  # a piece's residual stream
     out = cand.microbatches * sent * ((not first) + (not last))
-    piece_grads = 0.0
-    if cand.kind == "ddp" and cand.microbatches > 1:
-        piece_grads += grads
-    if cand.strategy == "fsdp":
-        piece_grads += max(0.0, whole_grads - (grads if accum == 1 else 0.0))
-    out += max(0.0, piece_grads - freed)
     if first:
         out += sent * (pieces_in_flight(cand, stage) - 1)
+    return out
+
+
+def _pieces_gradients(cand: Candidate, grads: float, whole_grads: float, accum: int) -> float:
+    """Gradients a pipeline stage holds beside the parts once a piece's backward is done: DDP's own gradients of the
+    pieces before the last (accumulated under no_sync) beside its buckets; FSDP's, whole until the schedule ends
+    (beside the sharded ones that earlier micro-steps reduced, under accumulation)."""
+    out = grads if cand.kind == "ddp" and cand.microbatches > 1 else 0.0
+    if cand.strategy == "fsdp":
+        out += max(0.0, whole_grads - (grads if accum == 1 else 0.0))
     return out
 
 

@@ -210,25 +210,29 @@ def stage_memory(
         in_flight = pieces_in_flight(cand, stage)
         per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
         later = max(0.0, min(in_flight - 1, cand.microbatches - 2))  # pieces ahead at the second piece's end
-        # The end of a piece's backward: the first piece's (the pieces' gradients do not exist yet, the most pieces
-        # are ahead), or the second's (they do; the fewest pieces behind it, of the most ahead of it).
-        first_end = second_end = ending = 0.0  # ending: what the end of a piece's backward holds
-        if stage == 0:  # the embedding's whole gradient before it is added to the earlier pieces', beside
-            # autocast's cached weight copies and their gradients
-            embedding = [p for p in held if p.name == "wte.weight"]
-            ending = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + 2.0 * blocks * act.block_weight_copy
-        if in_pipeline and not gathered:  # torch's schedule turns FSDP's resharding after backward off until the
-            # last piece: each unit stays gathered until the next forward passes it, so by a piece's last block's
-            # backward the stage's whole parameters are, beside what that backward holds and its block's gradient
-            ending = whole + max(in_block + block, ending)
-            first_end = ending + (in_flight - 1) * per_piece - activations
-        if ending:
-            second_end = ending + later * per_piece - activations
         # the pieces' gradients exist once the first piece's backward is done: inside a later piece, beside the
         # activations of all but that first piece (and of those no forward is left to replace)
         freed = (in_flight - min(in_flight, cand.microbatches - 1)) * per_piece
         piece_grads = _pieces_gradients(cand, grads, whole_grads, accum)
-        temporaries = max(temporaries + max(0.0, piece_grads - freed), first_end, second_end + piece_grads)
+        moments = [temporaries + max(0.0, piece_grads - freed)]
+        # The end of a piece's backward, its gradients made: the first piece's (the most pieces ahead; under FSDP,
+        # which casts each piece's embedding gradient to its fp32 one), or the second's (the fewest behind it of the
+        # most ahead; DDP adds its embedding gradient to the first piece's there)
+        first_end = second_end = 0.0
+        if stage == 0:  # the embedding's gradient, beside autocast's cached weight copies and their gradients
+            embedding = [p for p in held if p.name == "wte.weight"]
+            second_end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + 2.0 * blocks * act.block_weight_copy
+            first_end = second_end if fsdp else 0.0
+        if in_pipeline and not gathered:  # torch's schedule turns FSDP's resharding after backward off until the
+            # last piece: each unit stays gathered until the next forward passes it, so by a piece's last block's
+            # backward the stage's whole parameters are, beside what that backward holds and its block's gradient
+            first_end = whole + max(in_block + block, first_end)
+            second_end = whole + max(in_block + block, second_end)
+        if first_end:
+            moments.append(first_end + (in_flight - 1) * per_piece - activations + piece_grads)
+        if second_end:
+            moments.append(second_end + later * per_piece - activations + piece_grads)
+        temporaries = max(moments)
         temporaries += _schedule_memory(spec, cand, stage, stream)
         temporaries += whole_embedding if fsdp else 0.0
     parts = {

@@ -180,6 +180,7 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+        blocks_backward += compute_copy  # the last stage's output, kept by torch's stage until its backward ends
     in_block = blocks_backward  # what a block's backward itself holds
     root = block = 0.0
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
@@ -219,10 +220,14 @@ def stage_memory(
         # which casts each piece's embedding gradient to its fp32 one), or the second's (the fewest behind it of the
         # most ahead; DDP adds its embedding gradient to the first piece's there)
         first_end = second_end = 0.0
-        if stage == 0:  # the embedding's gradient, beside autocast's cached weight copies and their gradients
-            embedding = [p for p in held if p.name == "wte.weight"]
-            second_end = _bytes(embedding, 1, 1, precision.gather if fsdp else 4) + 2.0 * blocks * act.block_weight_copy
-            first_end = second_end if fsdp else 0.0
+        # a piece's last new gradient, before it is added to the earlier pieces': the embedding's (whole on the first
+        # stage), the head's on the last, a block's weight's on the others; beside autocast's cached weight copies and
+        # their gradients, and on the last stage its output, the logits
+        new_grad = [p for p in held if p.name == "wte.weight"] or [max(held, key=lambda p: math.prod(p.shape))]
+        second_end = _bytes(new_grad, 1 if stage == 0 else cand.tp, 1, precision.gather if fsdp else 4)
+        second_end += 2.0 * (blocks * act.block_weight_copy + (act.head_weight_copy if last else 0))
+        second_end += compute_copy if last else 0.0
+        first_end = second_end if fsdp else 0.0
         if in_pipeline and not gathered:  # torch's schedule turns FSDP's resharding after backward off until the
             # last piece: each unit stays gathered until the next forward passes it, so by a piece's last block's
             # backward the stage's whole parameters are, beside what that backward holds and its block's gradient
@@ -230,8 +235,7 @@ def stage_memory(
             second_end = whole + max(in_block + block, second_end)
         if first_end:
             moments.append(first_end + (in_flight - 1) * per_piece - activations + piece_grads)
-        if second_end:
-            moments.append(second_end + later * per_piece - activations + piece_grads)
+        moments.append(second_end + later * per_piece - activations + piece_grads)
         temporaries = max(moments)
         temporaries += _schedule_memory(spec, cand, stage, stream)
         temporaries += whole_embedding if fsdp else 0.0

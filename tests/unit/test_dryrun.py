@@ -78,7 +78,17 @@ def test_hybrid_sharding_with_tensor_parallelism_and_checkpointing_at_512() -> N
 
 PIPELINE_LAYOUTS = {
     "ddp": ["--parallel.strategy=ddp", "--train.global_batch=32"],
-    "ddp-checkpointed": ["--parallel.strategy=ddp", "--parallel.activation_checkpointing=1", "--train.global_batch=32"],
+    "ddp-gpipe-checkpointed": [
+        "--parallel.strategy=ddp",
+        "--parallel.pipeline.schedule=gpipe",
+        "--parallel.activation_checkpointing=1",
+        "--train.global_batch=32",
+    ],
+    "ddp-interleaved": [
+        "--parallel.strategy=ddp",
+        "--parallel.pipeline.schedule=interleaved_1f1b",
+        "--train.global_batch=32",
+    ],
     "fsdp-grad-op-tp": [
         "--parallel.strategy=fsdp",
         "--parallel.fsdp.reshard_after_forward=false",
@@ -95,8 +105,9 @@ def test_a_pipeline_dry_runs_each_stage_and_agrees_with_the_plan(layout: str) ->
     components agree, the last stage included: it keeps no outputs (logits) of the step's pieces, only their losses.
     The second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh.
     Checkpointed blocks' autocast weight copies live through backward (the schedule's autocast is still entered);
-    under accumulation FSDP's reduced shards of the first micro-step are held beside the next one's whole gradients
-    (two micro-steps are run)."""
+    the last stage keeps every piece's logits under GPipe; a rank of an interleaved schedule holds two stages'
+    receive buffers, and its own pieces in flight on each; under accumulation FSDP's reduced shards of the first
+    micro-step are held beside the next one's whole gradients (two micro-steps are run)."""
     stages = _stages(
         8,
         *PIPELINE_LAYOUTS[layout],

@@ -93,16 +93,32 @@ def _bytes(params: list[Param], tp: int, shard: int, per_element: float) -> floa
 
 
 def pieces_in_flight(cand: Candidate, stage: int) -> float:
-    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule."""
+    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule (for a rank
+    with several stages, in pieces through all of its blocks)."""
     m, p = cand.microbatches, cand.pp
     if p == 1:
         return 1
     _, per_rank, _ = SCHEDULES[cand.schedule]
-    if cand.schedule == "gpipe":
+    if cand.schedule in ("gpipe", "looped_bfs"):  # every forward before the first backward
         return m
     if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
         return min(m, p - stage)
+    if cand.schedule == "interleaved_1f1b":
+        return sum(_interleaved_forwards(cand, stage)) / per_rank
     return min(m, p * (1 + (p - 1) / (p * per_rank)))
+
+
+def _interleaved_forwards(cand: Candidate, stage: int) -> list[int]:
+    """Under torch's Interleaved1F1B, the forwards rank `stage` has run, by its local stage, when its first backward
+    starts: its warm-up, (stages per rank − 1) · pp + 2 · (pp − 1 − rank), and one more, in rounds of pp pieces per
+    local stage."""
+    m, p = cand.microbatches, cand.pp
+    per_rank = SCHEDULES[cand.schedule][1]
+    ops = min((per_rank - 1) * p + 2 * (p - 1 - stage) + 1, m * per_rank)
+    counts = [0] * per_rank
+    for k in range(ops):
+        counts[(k // p) % per_rank] += 1
+    return counts
 
 
 def estimate_layout(
@@ -170,7 +186,11 @@ def stage_memory(
     # exist yet unless earlier micro-steps or 1F1B pieces made some, or DDP's buckets (allocated once) hold them.
     logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
     compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
-    loss_forward = logits + compute_copy + checkpointed * act.block_weight_copy if last else 0.0
+    in_flight = pieces_in_flight(cand, stage)
+    outputs = compute_copy  # torch's pipeline stage keeps each piece's output, these logits, until that piece's
+    if cand.pp > 1 and last:  # backward ends: the pieces' in flight (all of them under GPipe), at every moment
+        outputs *= _interleaved_forwards(cand, stage)[-1] if cand.schedule == "interleaved_1f1b" else in_flight
+    loss_forward = logits + outputs + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks' weights
     # are then alive (elsewhere autocast has exited and freed them)
@@ -180,7 +200,7 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
-        blocks_backward += compute_copy  # the last stage's output, kept by torch's stage until its backward ends
+        blocks_backward += outputs
     in_block = blocks_backward  # what a block's backward itself holds
     root = block = 0.0
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
@@ -204,11 +224,10 @@ def stage_memory(
             during = root + (3 if checkpointed and blocks > 1 else 2) * block
             blocks_backward = max(blocks_backward + during, 2 * (root + block))
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
-    loss_backward = 2 * logits + (compute_copy + cached if cand.pp > 1 and last else 0.0)
+    loss_backward = 2 * logits + (outputs + cached if cand.pp > 1 and last else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:
-        in_flight = pieces_in_flight(cand, stage)
         per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
         later = max(0.0, min(in_flight - 1, cand.microbatches - 2))  # pieces ahead at the second piece's end
         # the pieces' gradients exist once the first piece's backward is done: inside a later piece, beside the
@@ -253,12 +272,15 @@ def stage_memory(
 
 def _schedule_memory(spec: ModelSpec, cand: Candidate, stage: int, stream: float) -> float:
     """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
-    receive buffers, one per piece and direction, kept from the first step on; on the first stage, the outputs of
-    its other pieces in flight (sent on as they are)."""
-    first, last = stage == 0, stage == cand.pp - 1
+    receive buffers, one per piece and direction for each of the rank's stages (two or more under interleaved and V
+    schedules), kept from the first step on; on the first stage, the outputs of its other pieces in flight (sent on
+    as they are)."""
+    _, per_rank, shape = SCHEDULES[cand.schedule]
+    first = stage == 0  # this rank holds the pipeline's first stage (no forward input to receive) and its last
+    last = stage == (0 if shape == "v" else cand.pp - 1)  # (no gradient to receive): a V puts it back on rank 0
     tokens = cand.micro_batch // cand.microbatches * spec.seq
     sent = tokens * spec.n_embd * stream  # a piece's residual stream
-    out = cand.microbatches * sent * ((not first) + (not last))
+    out = cand.microbatches * sent * (2 * per_rank - first - last)
     if first:
         out += sent * (pieces_in_flight(cand, stage) - 1)
     return out
@@ -298,12 +320,18 @@ def _stage_activations(
     blocks = spec.blocks_of_stage(stage, cand.pp)
     plain = blocks - _checkpointed(cand, blocks)
     last, first = stage == cand.pp - 1, stage == 0
-    per_piece = plain * act.per_block + (blocks - plain) * act.checkpointed_block
+    in_blocks = plain * act.per_block + (blocks - plain) * act.checkpointed_block
     ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
-    per_piece += (ids if first else 0) + (act.outside - ids if last else 0)
+    ends = (ids if first else 0) + (act.outside - ids if last else 0)
     # autocast's weight copies are cached once per step, not once per piece in flight
     copies = plain * act.block_weight_copy + (act.head_weight_copy if last else 0)
-    return float((per_piece - copies) * pieces_in_flight(cand, stage) + copies), act
+    in_flight = pieces_in_flight(cand, stage)
+    if cand.schedule != "interleaved_1f1b" or cand.pp == 1:
+        return float((in_blocks + ends - copies) * in_flight + copies), act
+    # the pipeline's first and last stages are a rank's first and last local stages, with their own pieces in flight
+    forwards = _interleaved_forwards(cand, stage)
+    ends = (ids * forwards[0] if first else 0) + ((act.outside - ids) * forwards[-1] if last else 0)
+    return float((in_blocks - copies) * in_flight + ends + copies), act
 
 
 def step_time(

@@ -69,22 +69,24 @@ def test_ddp_hides_its_all_reduce_behind_backward_only() -> None:
     assert est.time["comm"] == pytest.approx(all_reduce - backward)
 
 
-def test_interleaved_schedules_hold_narayanans_activations() -> None:
-    """Narayanan et al. (arXiv 2104.04473): with v stages per rank a rank holds p·(1 + (p − 1)/(p·v)) micro-batches'
-    activations, never more than there are."""
+def test_interleaved_schedules_hold_torchs_warm_up() -> None:
+    """torch's Interleaved1F1B: rank r runs (v − 1)·p + 2·(p − 1 − r) forwards of its v stages before its first
+    backward and one more, never more than it has (v·m): rank 0 holds Narayanan et al.'s p·(1 + (p − 1)/(p·v))
+    micro-batches' activations (arXiv 2104.04473), later ranks fewer (the dry run agrees, test_dryrun.py)."""
     interleaved = Candidate("single", 4, 1, 1, 1, 0, 16, 16, schedule="interleaved_1f1b")  # v = 2
-    assert [pieces_in_flight(interleaved, s) for s in range(4)] == [4 * (1 + 3 / 8)] * 4 == [5.5] * 4
+    assert [pieces_in_flight(interleaved, s) for s in range(4)] == [4 * (1 + 3 / 8), 4.5, 3.5, 2.5]
     few = dataclasses.replace(interleaved, micro_batch=4, microbatches=4)
-    assert [pieces_in_flight(few, s) for s in range(4)] == [4] * 4
+    assert [pieces_in_flight(few, s) for s in range(4)] == [4, 4, 3.5, 2.5]
 
     # the bytes: 4 blocks on 2 ranks, a piece of one sequence (T = 16 tokens); rank 0 holds blocks 0 and 1 and
-    # the token ids and positions; fp32 SDPA saves 4·T·(16h + 4 + a) per block
+    # the token ids and positions; fp32 SDPA saves 4·T·(16h + 4 + a) per block. Rank 0 runs 5 forwards, 3 of its
+    # first stage (which holds the ids) and 2 of its second: 2.5 pieces through its blocks, 3 sets of ids
     spec, tokens = _spec(n_layer=4), 16
     cand = Candidate("single", 2, 1, 1, 1, 0, 8, 8, schedule="interleaved_1f1b")
-    per_piece = 2 * 4 * tokens * (16 * 32 + 4 + 2) + 8 * (tokens + 16)
-    assert per_piece == 66_560
+    in_blocks, ids = 2 * 4 * tokens * (16 * 32 + 4 + 2), 8 * (tokens + 16)
+    assert (in_blocks, ids) == (66_304, 256)
     memory, _ = stage_memory(spec, cand, FP32, _cluster(), 1, 0)
-    assert memory["activations"] == 2 * (1 + 1 / (2 * 2)) * per_piece == 166_400
+    assert memory["activations"] == 2.5 * in_blocks + 3 * ids == 166_528
 
 
 def test_cpu_offload_pays_its_host_copies() -> None:

@@ -84,9 +84,10 @@ PIPELINE_LAYOUTS = {
         "--parallel.activation_checkpointing=1",
         "--train.global_batch=32",
     ],
-    "ddp-interleaved": [
+    "ddp-interleaved-fp32": [
         "--parallel.strategy=ddp",
         "--parallel.pipeline.schedule=interleaved_1f1b",
+        "--train.precision=32-true",
         "--train.global_batch=32",
     ],
     "fsdp-grad-op-tp": [
@@ -102,19 +103,15 @@ PIPELINE_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))
 def test_a_pipeline_dry_runs_each_stage_and_agrees_with_the_plan(layout: str) -> None:
     """Each stage told its neighbours' shapes (torch's own check holds them to the tensors that pass); every stage's
-    components agree, the last stage included: it keeps no outputs (logits) of the step's pieces, only their losses.
-    The second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh.
-    Checkpointed blocks' autocast weight copies live through backward (the schedule's autocast is still entered);
-    the last stage keeps every piece's logits under GPipe; a rank of an interleaved schedule holds two stages'
-    receive buffers, and its own pieces in flight on each; under accumulation FSDP's reduced shards of the first
-    micro-step are held beside the next one's whole gradients (two micro-steps are run)."""
-    stages = _stages(
-        8,
-        *PIPELINE_LAYOUTS[layout],
-        "--parallel.pp=2",
-        "--parallel.pipeline.microbatches=4",
-        "--train.micro_batch=8",
-    )
+    components agree, the last stage included: it keeps each piece's logits until that piece's backward ends (all of
+    them under GPipe; in fp32 under 32-true), not after (torch's schedule is not asked to return them merged). The
+    second stage runs in the same process as the first: DTensor's caches must not hand it the first's mesh.
+    Checkpointed blocks' autocast weight copies live through backward (the schedule's autocast is still entered); a
+    rank of an interleaved schedule holds two stages' receive buffers, and its own pieces in flight on each (torch's
+    warm-up); under accumulation FSDP's reduced shards of the
+    first micro-step are held beside the next one's whole gradients (two micro-steps are run)."""
+    pieces = ["--parallel.pipeline.microbatches=4", "--train.micro_batch=8"]
+    stages = _stages(8, "--parallel.pp=2", *pieces, *PIPELINE_LAYOUTS[layout])
     assert len(stages) == 2
     last, _ = stages[1]
     if layout == "ddp":  # the second half of the blocks, the final norm and the tied head, whole, in fp32

@@ -278,12 +278,14 @@ def compare(run: DryRun, config: Config, cluster: Cluster) -> list[Comparison]:
     precision = PrecisionBytes(RUN_AS.get(config.train.precision, config.train.precision))
     out = []
     for rank in run.ranks:
-        parts, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, rank.stage)
+        # the micro-steps run (two show any number: the plan's figures differ only between one and more)
+        steps = min(job.batch.accum_steps, run.micro_steps)
+        parts, host = stage_memory(spec, cand, precision, cluster, steps, rank.stage)
         # Offloaded state lives in host memory, where the fake step on this CPU puts everything. Gradients are on
         # the device while they accumulate, in host memory once reduced: never both at once.
         predicted = {part: parts[part] + host.get(part, 0.0) for part in COMPONENTS}
         predicted["grads"] = max(parts["grads"], host.get("grads", 0.0))
-        if host and job.batch.accum_steps == 1:  # nor do the offloaded gradients exist yet at the loss's moments
+        if host and steps == 1:  # nor do the offloaded gradients exist yet at the loss's moments
             predicted["temporaries"] = max(0.0, predicted["temporaries"] - host.get("grads", 0.0))
         out.append(Comparison(rank, {**predicted, "peak": sum(predicted.values())}))
     return out

@@ -104,20 +104,21 @@ def pieces_in_flight(cand: Candidate, stage: int) -> float:
     if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
         return min(m, p - stage)
     if cand.schedule == "interleaved_1f1b":
-        return sum(_interleaved_forwards(cand, stage)) / per_rank
+        return sum(interleaved_forwards(cand, stage)) / per_rank
     return min(m, p * (1 + (p - 1) / (p * per_rank)))
 
 
-def _interleaved_forwards(cand: Candidate, stage: int) -> list[int]:
+def interleaved_forwards(cand: Candidate, stage: int) -> list[int]:
     """Under torch's Interleaved1F1B, the forwards rank `stage` has run, by its local stage, when its first backward
-    starts: its warm-up, (stages per rank − 1) · pp + 2 · (pp − 1 − rank), and one more, in rounds of pp pieces per
-    local stage."""
+    starts: its warm-up, (stages per rank − 1) · r + 2 · (pp − 1 − rank) with r pieces a round (pp, or all m when
+    m < pp: torch's _get_warmup_ops), and one more unless that was all, the local stage changing every r."""
     m, p = cand.microbatches, cand.pp
     per_rank = SCHEDULES[cand.schedule][1]
-    ops = min((per_rank - 1) * p + 2 * (p - 1 - stage) + 1, m * per_rank)
+    per_round = m // max(1, m // p)
+    warm_up = min((per_rank - 1) * per_round + 2 * (p - 1 - stage), m * per_rank)
     counts = [0] * per_rank
-    for k in range(ops):
-        counts[(k // p) % per_rank] += 1
+    for k in range(warm_up + (warm_up < m * per_rank)):
+        counts[(k // per_round) % per_rank] += 1
     return counts
 
 
@@ -187,10 +188,13 @@ def stage_memory(
     logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
     compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
     in_flight = pieces_in_flight(cand, stage)
-    outputs = compute_copy  # torch's pipeline stage keeps each piece's output, these logits, until that piece's
-    if cand.pp > 1 and last:  # backward ends: the pieces' in flight (all of them under GPipe), at every moment
-        outputs *= _interleaved_forwards(cand, stage)[-1] if cand.schedule == "interleaved_1f1b" else in_flight
-    loss_forward = logits + outputs + checkpointed * act.block_weight_copy if last else 0.0
+    # torch's pipeline stage keeps each piece's output, the logits in the compute dtype, until that piece's backward
+    # ends: the last stage's pieces in flight (all of them under GPipe) at every moment; the current one's output is
+    # the compute-dtype copy already counted (or, under 32-true, the logits themselves)
+    output, kept = logits / 4 * precision.activation, 1.0
+    if cand.pp > 1 and last:
+        kept = interleaved_forwards(cand, stage)[-1] if cand.schedule == "interleaved_1f1b" else in_flight
+    loss_forward = logits + compute_copy + (kept - 1) * output + checkpointed * act.block_weight_copy if last else 0.0
     no_grads_yet = grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks' weights
     # are then alive (elsewhere autocast has exited and freed them)
@@ -200,7 +204,7 @@ def stage_memory(
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute = piece * spec.seq, spec.n_embd, precision.activation
         blocks_backward += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
-        blocks_backward += outputs
+        blocks_backward += kept * output if last else 0.0
     in_block = blocks_backward  # what a block's backward itself holds
     root = block = 0.0
     if fsdp:  # the root unit (embeddings, final norm, head: gathered through forward and backward) and the block
@@ -224,11 +228,12 @@ def stage_memory(
             during = root + (3 if checkpointed and blocks > 1 else 2) * block
             blocks_backward = max(blocks_backward + during, 2 * (root + block))
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
-    loss_backward = 2 * logits + (outputs + cached if cand.pp > 1 and last else 0.0)
+    loss_backward = 2 * logits + (kept * output + cached if cand.pp > 1 and last else 0.0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     temporaries = max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
     if cand.pp > 1:
-        per_piece = (activations - (blocks - checkpointed) * act.block_weight_copy) / in_flight
+        copies = (blocks - checkpointed) * act.block_weight_copy + (act.head_weight_copy if last else 0.0)
+        per_piece = (activations - copies) / in_flight  # autocast's weight copies are the step's, not a piece's
         later = max(0.0, min(in_flight - 1, cand.microbatches - 2))  # pieces ahead at the second piece's end
         # the pieces' gradients exist once the first piece's backward is done: inside a later piece, beside the
         # activations of all but that first piece (and of those no forward is left to replace)
@@ -238,23 +243,19 @@ def stage_memory(
         # The end of a piece's backward, its gradients made: the first piece's (the most pieces ahead; under FSDP,
         # which casts each piece's embedding gradient to its fp32 one), or the second's (the fewest behind it of the
         # most ahead; DDP adds its embedding gradient to the first piece's there)
-        first_end = second_end = 0.0
         # a piece's last new gradient, before it is added to the earlier pieces': the embedding's (whole on the first
         # stage), the head's on the last, a block's weight's on the others; beside autocast's cached weight copies and
         # their gradients, and on the last stage its output, the logits
-        new_grad = [p for p in held if p.name == "wte.weight"] or [max(held, key=lambda p: math.prod(p.shape))]
-        second_end = _bytes(new_grad, 1 if stage == 0 else cand.tp, 1, precision.gather if fsdp else 4)
-        second_end += 2.0 * (blocks * act.block_weight_copy + (act.head_weight_copy if last else 0))
-        second_end += compute_copy if last else 0.0
-        first_end = second_end if fsdp else 0.0
+        new_grad = [p for p in held if p.name == "wte.weight"] or sorted(held, key=lambda p: math.prod(p.shape))[-1:]
+        ending = _bytes(new_grad, 1 if stage == 0 else cand.tp, 1, precision.gather if fsdp else 4)
+        ending += 2.0 * (blocks * act.block_weight_copy + (act.head_weight_copy if last else 0))
+        ending += output if last else 0.0
         if in_pipeline and not gathered:  # torch's schedule turns FSDP's resharding after backward off until the
             # last piece: each unit stays gathered until the next forward passes it, so by a piece's last block's
             # backward the stage's whole parameters are, beside what that backward holds and its block's gradient
-            first_end = whole + max(in_block + block, first_end)
-            second_end = whole + max(in_block + block, second_end)
-        if first_end:
-            moments.append(first_end + (in_flight - 1) * per_piece - activations + piece_grads)
-        moments.append(second_end + later * per_piece - activations + piece_grads)
+            ending = whole + max(in_block + block, ending)
+        ahead = [later] + ([in_flight - 1] if fsdp else [])  # second piece's end; the first's under FSDP
+        moments += [ending + pieces * per_piece - activations + piece_grads for pieces in ahead]
         temporaries = max(moments)
         temporaries += _schedule_memory(spec, cand, stage, stream)
         temporaries += whole_embedding if fsdp else 0.0
@@ -329,9 +330,9 @@ def _stage_activations(
     if cand.schedule != "interleaved_1f1b" or cand.pp == 1:
         return float((in_blocks + ends - copies) * in_flight + copies), act
     # the pipeline's first and last stages are a rank's first and last local stages, with their own pieces in flight
-    forwards = _interleaved_forwards(cand, stage)
-    ends = (ids * forwards[0] if first else 0) + ((act.outside - ids) * forwards[-1] if last else 0)
-    return float((in_blocks - copies) * in_flight + ends + copies), act
+    forwards, head_copy = interleaved_forwards(cand, stage), act.head_weight_copy if last else 0
+    ends = (ids * forwards[0] if first else 0) + ((act.outside - ids - head_copy) * forwards[-1] if last else 0)
+    return float((in_blocks - copies + head_copy) * in_flight + ends + copies), act
 
 
 def step_time(

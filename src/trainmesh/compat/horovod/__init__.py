@@ -42,33 +42,48 @@ from trainmesh.compat.horovod.basics import (
     stop_timeline,
 )
 from trainmesh.compat.horovod.compression import Compression
+from trainmesh.compat.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
+from trainmesh.compat.horovod.exchange import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from trainmesh.compat.horovod.functions import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from trainmesh.compat.horovod.ops import (
-    Handle,
-    add_process_set,
+from trainmesh.compat.horovod.gather import (
     allgather,
     allgather_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+)
+from trainmesh.compat.horovod.ops import (
+    Handle,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
     barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    global_process_set,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     poll,
     synchronize,
 )
 from trainmesh.compat.horovod.optimizer import DistributedOptimizer
+from trainmesh.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from trainmesh.compat.horovod.rounds import RankJoinedError, join
 from trainmesh.layers import SyncBatchNorm  # Horovod's hvd.SyncBatchNorm takes the same arguments
 
@@ -78,8 +93,11 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "Handle",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "RankJoinedError",
     "ReduceOp",
@@ -93,6 +111,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -109,8 +129,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -123,9 +149,13 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

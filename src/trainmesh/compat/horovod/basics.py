@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+from collections.abc import Callable
 from enum import IntEnum
 from types import TracebackType
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from trainmesh.config.schema import DistConfig
 from trainmesh.core.dist import existing_group_env, init_process_group, select_device, teardown
-from trainmesh.core.env import DistEnv
+from trainmesh.core.env import DistEnv, read_var
 
 
 class ReduceOp(IntEnum):
@@ -43,15 +44,18 @@ NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
 
 class _State:
-    """This process's place in the job, set by init(); `owns_group`: init() created the group (shutdown
-    destroys it), rather than adopting one that somebody else will destroy."""
+    """This process's place in the job, set by init(); `owns_group`: init() created the group (destroyed at exit),
+    rather than adopting one that somebody else will destroy."""
 
     env: DistEnv | None = None
     owns_group = False
+    kept: DistEnv | None = None  # the group init() created, after shutdown(): the next init() takes it again
+    check = True  # agreement.py's check before each collective (TRAINMESH_HOROVOD_CHECK=0: off)
     failed = False  # an exception reached the top of the script: leave at exit without waiting for the others
 
 
 _state = _State()
+at_shutdown: list[Callable[[], None]] = []  # what other modules forget at hvd.shutdown() (the process sets)
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -67,6 +71,10 @@ def init(comm: object = None, process_sets: object = None) -> None:
             "Fix: call hvd.init() without process_sets (for a subgroup, use torch.distributed.new_group)."
         )
     if is_initialized():
+        return
+    _state.check = read_var("TRAINMESH_HOROVOD_CHECK", "1") != "0"
+    if _state.kept is not None and dist.is_initialized():
+        _state.env, _state.owns_group, _state.kept = _state.kept, True, None
         return
     adopted = existing_group_env()
     if adopted is not None:
@@ -93,14 +101,29 @@ def _leave_at_exit() -> None:
         previous(kind, error, tb)
 
     sys.excepthook = note_failure
-    atexit.register(lambda: shutdown() if not _state.failed else None)
+    atexit.register(_leave)
+
+
+def _leave() -> None:
+    """At exit: destroy the group init() created (after shutdown() too), unless the script failed."""
+    owned = _state.kept is not None or (_state.env is not None and _state.owns_group)
+    _state.env, _state.owns_group, _state.kept = None, False, None
+    if owned and not _state.failed:
+        teardown(success=True)
 
 
 def shutdown() -> None:
-    """Leave: destroys the process group when init() created it (an adopted one is left to its owner)."""
+    """Leave Horovod: is_initialized() is False and calls raise until the next init().
+
+    A process group init() created stays alive for that next init() and is destroyed at exit: Horovod scripts
+    (and Horovod's own tests) call init() again after shutdown(), and a new gloo group meeting on the same
+    rendezvous can read the old group's peer addresses (gloo: "Connection refused") or wait forever for a store
+    that its rank 0 has just closed."""
     if _state.env is not None and _state.owns_group:
-        teardown(success=True)
+        _state.kept = _state.env
     _state.env, _state.owns_group = None, False
+    for forget in at_shutdown:
+        forget()
 
 
 def is_initialized() -> bool:
@@ -193,3 +216,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     raise NotImplementedError("hvd.stop_timeline(): Horovod's timeline is not supported; use torch.profiler.")
+
+
+def checks_collectives() -> bool:
+    """Whether the ranks check that they agree on each collective before it runs (agreement.py)."""
+    return _state.check

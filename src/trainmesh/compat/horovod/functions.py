@@ -6,19 +6,19 @@ and local classes cannot travel). The bytes come from the job's own ranks, the s
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainmesh.compat.horovod.agreement import Call
 from trainmesh.compat.horovod.basics import ReduceOp, rank, size
-from trainmesh.compat.horovod.ops import (
-    allreduce,
-    broadcast_work,
-    check_root,
-)
+from trainmesh.compat.horovod.gather import broadcast_work, check_root
+from trainmesh.compat.horovod.ops import allreduce, on_wire
 from trainmesh.compat.horovod.optimizer import _DistributedOptimizer
+from trainmesh.compat.horovod.process_sets import global_process_set
 from trainmesh.compat.horovod.rounds import Kind, start_round
 
 
@@ -34,16 +34,19 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"hvd.broadcast_parameters: entry {name!r} is a {type(tensor).__name__}, not a tensor")
-    check_root(root_rank, "hvd.broadcast_parameters")
-    start_round(Kind.OTHER, what="hvd.broadcast_parameters")
+    check_root(root_rank, global_process_set, "hvd.broadcast_parameters")
+    layout = zlib.crc32(repr([(tuple(t.shape), t.dtype) for _, t in items]).encode())  # the ranks must agree on it
+    start_round(
+        Kind.OTHER, Call("hvd.broadcast_parameters", f"{len(items)} tensors, layout {layout:08x}", root=root_rank)
+    )
     pending = []
     for _, tensor in items:
-        target = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
+        target = on_wire(tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous())
         pending.append((tensor, target, broadcast_work(target, root_rank)))
     for tensor, target, work in pending:
         if work is not None:
             work.wait()
-        if target.data_ptr() != tensor.data_ptr():  # a non-contiguous tensor went through a contiguous copy
+        if target.data_ptr() != tensor.data_ptr():  # it went through a contiguous (or int16: int32) copy
             with torch.no_grad():
                 tensor.copy_(target)
 
@@ -59,7 +62,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    check_root(root_rank, "hvd.broadcast_optimizer_state")
+    check_root(root_rank, global_process_set, "hvd.broadcast_optimizer_state")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not optimizer.state:
         for p in params:
@@ -109,10 +112,10 @@ def _layout(
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """root_rank's `obj` on every rank (pickled, through torch's broadcast_object_list)."""
-    check_root(root_rank, "hvd.broadcast_object")
+    check_root(root_rank, global_process_set, "hvd.broadcast_object")
     if size() == 1:
         return obj
-    start_round(Kind.OTHER, what="hvd.broadcast_object")
+    start_round(Kind.OTHER, Call("hvd.broadcast_object", name, root=root_rank))
     box = [obj if rank() == root_rank else None]
     dist.broadcast_object_list(box, src=root_rank)
     return obj if rank() == root_rank else box[0]
@@ -122,7 +125,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's `obj`, in rank order (pickled, through torch's all_gather_object)."""
     if size() == 1:
         return [obj]
-    start_round(Kind.OTHER, what="hvd.allgather_object")
+    start_round(Kind.OTHER, Call("hvd.allgather_object", name))
     gathered: list[Any] = [None] * size()
     dist.all_gather_object(gathered, obj)
     return gathered

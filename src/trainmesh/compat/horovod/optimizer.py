@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from trainmesh.compat.horovod.agreement import Call
 from trainmesh.compat.horovod.basics import ReduceOp, size
 from trainmesh.compat.horovod.compression import Compression, Compressor
-from trainmesh.compat.horovod.ops import check_process_set, resolve_op
+from trainmesh.compat.horovod.exchange import sparse_allreduce_async
+from trainmesh.compat.horovod.ops import resolve_op
+from trainmesh.compat.horovod.process_sets import global_process_set, resolve
 from trainmesh.compat.horovod.rounds import Kind, register_optimizer, start_round
 
 TOO_MANY_PASSES = (
@@ -58,7 +61,12 @@ def DistributedOptimizer(  # Horovod's name, and a function that returns an opti
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: must be a whole number >= 1")
-    check_process_set("hvd.DistributedOptimizer", process_set)
+    if resolve(process_set, "hvd.DistributedOptimizer") is not global_process_set:
+        raise ValueError(
+            f"hvd.DistributedOptimizer(process_set={process_set!r}): only hvd.global_process_set (all ranks) is "
+            "supported for the optimizer. Fix: drop process_set=, or all-reduce the gradients yourself with "
+            "hvd.grouped_allreduce(..., process_set=...) before optimizer.step()"
+        )
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped: _DistributedOptimizer = object.__new__(cls)
@@ -108,7 +116,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_reset(self) -> None:
         n = len(self._hvd_order)
         self._hvd_delay = [self.backward_passes_per_step] * n  # backward passes left before each all-reduce
-        self._hvd_sent: list[tuple[torch.Tensor, Any, dist.Work] | None] = [None] * n
+        self._hvd_sent: list[tuple[torch.Tensor, Any, dist.Work] | Callable[[], torch.Tensor] | None] = [None] * n
         self._hvd_next = 0  # the first parameter (in the fixed order) whose all-reduce has not started
         self._hvd_header: dist.Work | None = None
         self._hvd_round_open = False
@@ -125,18 +133,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_send(self, i: int) -> None:
         if not self._hvd_round_open:  # the round's header goes first, for ranks inside hvd.join()
-            self._hvd_header = start_round(Kind.OPTIMIZER, [self._hvd_index])
+            call = Call("hvd.DistributedOptimizer.step", f"optimizer #{self._hvd_index}")
+            self._hvd_header = start_round(Kind.OPTIMIZER, call, [self._hvd_index])
             self._hvd_round_open = True
         param = self._hvd_order[i]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         if param.grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
-                raise ValueError(
-                    f"parameter {self._hvd_names.get(param, '?')!r} has a sparse gradient; sparse all-reduces are "
-                    "not supported. Fix: hvd.DistributedOptimizer(..., sparse_as_dense=True), or a dense "
-                    "layer (nn.Embedding(..., sparse=False))."
-                )
+            if not self._hvd_sparse_as_dense:  # Horovod's sparse path: indices and values gathered, not summed
+                self._hvd_sent[i] = sparse_allreduce_async(param.grad, self._hvd_names.get(param), self._hvd_op)
+                return
             param.grad = param.grad.to_dense()
         tensor, ctx = self._hvd_compression.compress(param.grad)
         if not tensor.is_contiguous():  # e.g. channels_last: c10d wants contiguous tensors
@@ -149,6 +155,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_receive(self, i: int) -> None:
         sent = self._hvd_sent[i]
         assert sent is not None, i
+        if callable(sent):  # a sparse gradient: the gathered one replaces it
+            self._hvd_order[i].grad = sent()
+            return
         tensor, ctx, work = sent
         work.wait()
         if self._hvd_op == ReduceOp.Average:

@@ -1,5 +1,6 @@
 """Rounds: how ranks inside hvd.join() keep answering the others' collectives, as under Horovod: every collective begins
-with a small header all-reduce that tells a joined rank what to match.
+with a small header all-reduce that tells a joined rank what to match, and carries the fingerprints by which the
+ranks check that they agree on the collective (agreement.py).
 
 Details: docs/internals.md#compathorovodroundspy
 """
@@ -13,9 +14,11 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from trainmesh.compat.horovod.basics import ReduceOp, rank, size
+from trainmesh.compat.horovod.agreement import Call, agreed, each_rank, refuse
+from trainmesh.compat.horovod.basics import ReduceOp, checks_collectives, rank, size
 
-HEADER_LEN = 8
+HEADER_LEN = 10  # [active ranks, kind, 6 fields, sum of fingerprints, sum of their squares]
+FIELDS = slice(1, 8)
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -74,23 +77,32 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
 
 
-def start_round(kind: Kind, fields: Sequence[int] = (), what: str = "") -> dist.Work | None:
-    """Send this active rank's header. OTHER rounds wait for the sum and raise RankJoinedError when a rank has
-    joined (`what`: the call, for the message); the others return the header's pending work (None on one rank)."""
-    if size() == 1:
+def start_round(
+    kind: Kind, call: Call, fields: Sequence[int] = (), group: dist.ProcessGroup | None = None
+) -> dist.Work | None:
+    """Send this active rank's header (`call`: what it is about to run, for the ranks' agreement). With the check
+    on, wait for the sum and raise HorovodInternalError on every rank when the ranks disagree; OTHER rounds also
+    wait, and raise RankJoinedError when a rank has joined. Otherwise return the header's pending work (None on one
+    rank). `group`: a process set's (hvd.join() answers only the global set's rounds)."""
+    members = dist.get_world_size(group) if group is not None else size()
+    if members == 1:
         return None
+    fingerprint = call.fingerprint() if checks_collectives() else 0
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1] = 1, int(kind)
     header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+    header[-2], header[-1] = fingerprint, fingerprint * fingerprint
     header = header.to(control_device())
-    if kind != Kind.OTHER:
-        return dist.all_reduce(header, async_op=True)
-    dist.all_reduce(header)
-    active = int(header[0])
-    if active < size():
+    if kind != Kind.OTHER and not checks_collectives():
+        return dist.all_reduce(header, async_op=True, group=group)
+    dist.all_reduce(header, group=group)
+    active, *_, total, squares = header.tolist()
+    if not agreed(active, total, squares):
+        raise refuse(call, group)
+    if kind == Kind.OTHER and active < members:
         raise RankJoinedError(
-            f"{what}: {size() - active} of {size()} ranks have called hvd.join(), and a joined rank can only take "
-            "part in all-reduces (hvd.allreduce, DistributedOptimizer steps), as under Horovod. Fix: call it "
+            f"{call.what}: {members - active} of {members} ranks have called hvd.join(), and a joined rank can only "
+            "take part in all-reduces (hvd.allreduce, DistributedOptimizer steps), as under Horovod. Fix: call it "
             "after hvd.join() has returned on every rank."
         )
     return None
@@ -112,7 +124,11 @@ def join(device: int = -1) -> int:
         if active == 0:
             break
         sat_out += 1
-        kind, *fields = (int(v) // active for v in header[1:].tolist())
+        values = header.tolist()
+        if not agreed(active, values[-2], values[-1]):
+            each_rank(None)  # the active ranks disagree: tell them this rank is joined; they raise
+            continue
+        kind, *fields = (int(v) // active for v in values[FIELDS])
         if kind == Kind.ALLREDUCE:
             _answer_allreduce(ReduceOp(fields[0]), DTYPES[fields[1]], fields[2], fields[3])
         elif kind == Kind.OPTIMIZER:

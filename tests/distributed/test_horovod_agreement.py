@@ -1,0 +1,212 @@
+"""trainmesh.horovod where Horovod's own test file (test/parallel/test_torch.py) found it different, on 2 gloo ranks:
+ranks that disagree on a collective get HorovodInternalError on every rank (never a wrong result, an abort or a
+hang), Horovod's gradients, int16, integer scaling and averages, alltoall, reducescatter, grouped collectives,
+process sets, sparse all-reduce, init after shutdown and the switch that turns the check off.
+
+All checks run in one spawn (a module fixture): each test asserts on its part of the results."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import trainmesh.horovod as hvd
+from trainmesh.testing import run_distributed
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _error(call: Callable[[], object]) -> str:
+    """'Type: message' of what `call` raised ('' when it did not raise)."""
+    try:
+        call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _disagreements(rank: int) -> dict[str, str]:
+    """Each call differs between the 2 ranks in one thing; every rank must raise, and the next call still works."""
+    ones = torch.ones(4)
+    return {
+        "allreduce_dtype": _error(lambda: hvd.allreduce(ones.int() if rank else ones)),
+        "allreduce_shape": _error(lambda: hvd.allreduce(torch.ones(2 + rank, 6))),
+        "allreduce_rank_of_shape": _error(lambda: hvd.allreduce(ones.reshape(2, 2) if rank else ones)),
+        "allreduce_op": _error(lambda: hvd.allreduce(ones, op=hvd.Sum if rank else hvd.Max)),
+        "allreduce_name": _error(lambda: hvd.allreduce(ones, name=f"loss{rank}")),
+        "broadcast_dtype": _error(lambda: hvd.broadcast(ones.double() if rank else ones, root_rank=0)),
+        "broadcast_shape": _error(lambda: hvd.broadcast(torch.ones(3 + rank), root_rank=0)),
+        "broadcast_root": _error(lambda: hvd.broadcast(ones, root_rank=rank)),
+        "allgather_dtype": _error(lambda: hvd.allgather(ones.int() if rank else ones)),
+        "different_calls": _error(lambda: hvd.allgather(ones) if rank else hvd.allreduce(ones)),
+    }
+
+
+def _checks(rank: int) -> dict[str, Any]:
+    hvd.init()
+    r: dict[str, Any] = {"errors": _disagreements(rank)}
+    r["after_errors"] = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum)  # the ranks are still in step
+
+    # int16 travels as int32 (gloo has no int16); the result is int16 again
+    short = torch.tensor([1, -2, 300], dtype=torch.int16) * (rank + 1)
+    r["int16"] = [
+        hvd.allreduce(short, op=hvd.Sum),
+        hvd.allgather(short),
+        hvd.broadcast(short, root_rank=1),
+        hvd.alltoall(short[:2]),
+        hvd.reducescatter(short[:2], op=hvd.Sum),
+    ]
+    # integers: an average truncates toward zero; the scale factors apply in float64, then truncate
+    r["int_average"] = hvd.allreduce(torch.tensor([-3, 2, -2, 1]) if rank == 0 else torch.tensor([-2, 3, -1, 2]))
+    r["int_scaled"] = hvd.allreduce(torch.tensor([3, -3]), op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.5)
+    r["int_scaled_average"] = hvd.allreduce(torch.tensor([7, -7], dtype=torch.int32), postscale_factor=0.5)
+
+    # alltoall: equal parts, then splits; the gradient goes back where the rows came from
+    r["alltoall"] = hvd.alltoall(torch.arange(4.0) + 10 * rank)
+    x = (torch.arange(3.0) + 10 * rank).requires_grad_()
+    collected, received = hvd.alltoall(x, torch.tensor([1, 2], dtype=torch.int32))  # rank r sends 1 row to 0
+    (collected * (torch.arange(collected.shape[0]) + 1)).sum().backward()
+    r["alltoall_splits"], r["alltoall_received"], r["alltoall_grad"] = collected.detach(), received, x.grad
+    r["alltoall_errors"] = [
+        _error(lambda: hvd.alltoall(torch.ones(3))),  # 3 rows do not split in 2
+        _error(lambda: hvd.alltoall(torch.ones(3), torch.tensor([2, 2], dtype=torch.int32))),
+        _error(lambda: hvd.alltoall(torch.ones(3), torch.tensor([1.0, 2.0]))),
+    ]
+
+    # reducescatter: 5 rows, rank 0 gets 3, rank 1 gets 2; Horovod's gradient: the gathered gradients (x2 for Sum)
+    y = (torch.arange(5.0) * (rank + 1)).requires_grad_()
+    part = hvd.reducescatter(y, op=hvd.Sum)
+    part.sum().backward()
+    r["reducescatter"], r["reducescatter_grad"] = part.detach(), y.grad
+    r["reducescatter_average"] = hvd.reducescatter(torch.arange(4.0) * (rank + 1))
+    r["reducescatter_scalar"] = _error(lambda: hvd.reducescatter(torch.tensor(1.0)))
+
+    # grouped collectives: one handle for all, each tensor its own collective
+    pair = [torch.ones(2) * (rank + 1), torch.arange(3.0) * (rank + 1)]
+    r["grouped_allreduce_async"] = hvd.synchronize(hvd.grouped_allreduce_async(pair, op=hvd.Sum))
+    r["grouped_allgather"] = hvd.grouped_allgather(pair)
+    r["grouped_reducescatter"] = hvd.synchronize(hvd.grouped_reducescatter_async([pair[0]], op=hvd.Sum))
+
+    # process sets: every rank adds them; collectives are called by the members only
+    alone = [hvd.add_process_set([0]), hvd.add_process_set([1])][rank]
+    both = hvd.add_process_set(hvd.ProcessSet([1, 0]))
+    r["set_alone"] = hvd.allreduce(torch.ones(1) * (rank + 1), op=hvd.Sum, process_set=alone)
+    r["set_both"] = hvd.allgather(torch.ones(1) * rank, process_set=both)
+    r["set_who"] = [alone.size(), alone.rank(), both.ranks, hvd.global_process_set.size()]
+    r["set_removed"] = [hvd.remove_process_set(alone), hvd.remove_process_set(alone)]
+    r["set_refused"] = _error(lambda: hvd.allreduce(torch.ones(1), process_set=alone))
+
+    # sparse: indices and values gathered; Sum adds the duplicates once made dense
+    sparse = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (3,))
+    r["sparse"] = hvd.sparse_allreduce_async(sparse, name="emb", op=hvd.Sum)().to_dense()
+
+    # a DistributedOptimizer over sparse gradients (sparse_as_dense=False): Horovod's gathered indices and values
+    inputs = [torch.tensor([0, 1, 1]), torch.tensor([1, 3])]
+    weights = torch.arange(10.0).reshape(5, 2)
+    model = torch.nn.Embedding(5, 2, sparse=True, _weight=weights.clone())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters())
+    model(inputs[rank]).sum().backward()
+    opt.step()
+    reference = torch.nn.Embedding(5, 2, _weight=weights.clone())  # both ranks' batches, averaged, on one process
+    (reference(inputs[0]).sum() + reference(inputs[1]).sum()).div(2).backward()
+    r["sparse_optimizer"] = torch.equal(model.weight.detach(), weights - reference.weight.grad)
+
+    # init after shutdown (Horovod's tests do it around every test), then with the check turned off
+    hvd.shutdown()
+    r["after_shutdown"] = hvd.is_initialized()
+    hvd.init()
+    r["reinit"] = hvd.allreduce(torch.ones(1), op=hvd.Sum)
+    hvd.shutdown()
+    os.environ["TRAINMESH_HOROVOD_CHECK"] = "0"
+    hvd.init()
+    r["unchecked_names"] = _error(lambda: hvd.allreduce(torch.ones(1), name=f"x{rank}"))  # order matches them
+    hvd.barrier()
+    hvd.shutdown()
+    return r
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_distributed(_checks, 2, timeout_s=90)
+
+
+def test_ranks_that_disagree_all_raise_horovods_error(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        for key, error in r["errors"].items():
+            assert error.startswith("HorovodInternalError: "), (key, error)
+            assert "the ranks called different collectives, so none ran" in error, key
+        errors = r["errors"]
+        assert "rank 0: hvd.allreduce(op=Average, dtype=float32, shape=(4,), device=cpu)" in errors["allreduce_dtype"]
+        assert "rank 1: hvd.allreduce(op=Average, dtype=int32, shape=(4,), device=cpu)" in errors["allreduce_dtype"]
+        assert "rank 1: hvd.broadcast(dtype=float32, shape=(4,), root_rank=1, device=cpu)" in errors["broadcast_root"]
+        assert "rank 1: hvd.allreduce(name='loss1', op=Average" in errors["allreduce_name"]
+        assert (
+            "rank 0: hvd.allreduce(" in errors["different_calls"]
+            and "rank 1: hvd.allgather(" in errors["different_calls"]
+        )
+        assert torch.equal(r["after_errors"], torch.ones(2))
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+
+
+def test_int16_and_integer_scaling_as_horovod(ranks: list[dict[str, Any]]) -> None:
+    short = torch.tensor([1, -2, 300], dtype=torch.int16)
+    for rank, r in enumerate(ranks):
+        summed, gathered, broadcast, exchanged, scattered = r["int16"]
+        assert all(t.dtype == torch.int16 for t in r["int16"])
+        assert torch.equal(summed, short * 3) and torch.equal(gathered, torch.cat([short, short * 2]))
+        assert torch.equal(broadcast, short * 2)
+        assert torch.equal(exchanged, torch.tensor([1, 2], dtype=torch.int16) * [1, -2][rank])
+        assert torch.equal(scattered, torch.tensor([[3], [-6]], dtype=torch.int16)[rank])
+        assert torch.equal(r["int_average"], torch.tensor([-2, 2, -1, 1]))  # (-5, 5, -3, 3) / 2 toward zero
+        assert torch.equal(r["int_scaled"], torch.tensor([3, -3]))  # trunc(1.5)=1 on each rank; (1+1) * 1.5
+        assert torch.equal(r["int_scaled_average"], torch.tensor([3, -3], dtype=torch.int32))  # 14 * 0.5 / 2
+
+
+def test_alltoall_and_its_gradient(ranks: list[dict[str, Any]]) -> None:
+    assert torch.equal(ranks[0]["alltoall"], torch.tensor([0.0, 1, 10, 11]))
+    assert torch.equal(ranks[1]["alltoall"], torch.tensor([2.0, 3, 12, 13]))
+    assert torch.equal(ranks[0]["alltoall_splits"], torch.tensor([0.0, 10]))
+    assert torch.equal(ranks[1]["alltoall_splits"], torch.tensor([1.0, 2, 11, 12]))
+    assert ranks[0]["alltoall_received"].tolist() == [1, 1] and ranks[1]["alltoall_received"].tolist() == [2, 2]
+    # rank 0 weighted its rows 1, 2 (one from each rank); rank 1 weighted its 4 rows 1..4
+    assert torch.equal(ranks[0]["alltoall_grad"], torch.tensor([1.0, 1, 2]))
+    assert torch.equal(ranks[1]["alltoall_grad"], torch.tensor([2.0, 3, 4]))
+    for r in ranks:
+        multiple, too_many, float_splits = r["alltoall_errors"]
+        assert multiple.startswith("ValueError: hvd.alltoall: dimension 0 (3) is not a multiple of the 2 ranks")
+        assert "sum to more than dimension 0 (3)" in too_many and "must be an int32 tensor" in float_splits
+
+
+def test_reducescatter_splits_as_horovod(ranks: list[dict[str, Any]]) -> None:
+    assert torch.equal(ranks[0]["reducescatter"], torch.tensor([0.0, 3, 6]))
+    assert torch.equal(ranks[1]["reducescatter"], torch.tensor([9.0, 12]))
+    assert torch.equal(ranks[0]["reducescatter_average"], torch.tensor([0.0, 1.5]))
+    for r in ranks:
+        assert torch.equal(r["reducescatter_grad"], torch.full((5,), 2.0))
+        assert r["reducescatter_scalar"].startswith("ValueError: hvd.reducescatter: a scalar")
+
+
+def test_grouped_collectives(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert [t.tolist() for t in r["grouped_allreduce_async"]] == [[3.0, 3.0], [0.0, 3.0, 6.0]]
+        assert [t.tolist() for t in r["grouped_allgather"]] == [[1.0, 1, 2, 2], [0.0, 1, 2, 0, 2, 4]]
+    assert [t.tolist() for t in ranks[1]["grouped_reducescatter"]] == [[3.0]]
+
+
+def test_process_sets(ranks: list[dict[str, Any]]) -> None:
+    assert [r["set_alone"].item() for r in ranks] == [1.0, 2.0]  # each rank alone in its set
+    for r in ranks:
+        assert torch.equal(r["set_both"], torch.tensor([0.0, 1.0]))
+        assert r["set_who"] == [1, 0, [0, 1], 2] and r["set_removed"] == [True, False]
+        assert "is not registered" in r["set_refused"]
+
+
+def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert torch.equal(r["sparse"], torch.tensor([1.0, 1.0, 4.0])) and r["sparse_optimizer"]
+        assert r["after_shutdown"] is False and torch.equal(r["reinit"], torch.tensor([2.0]))
+        assert r["unchecked_names"] == ""  # TRAINMESH_HOROVOD_CHECK=0: no agreement round

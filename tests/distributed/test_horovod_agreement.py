@@ -46,6 +46,40 @@ def _disagreements(rank: int) -> dict[str, str]:
     }
 
 
+def _elastic(rank: int) -> dict[str, Any]:
+    """hvd.elastic: the state synced from rank 0, commit and restore, a reset on HostsUpdatedInterrupt, the sampler."""
+    torch.manual_seed(rank)  # different weights on each rank until the state is synced
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=10 + rank)
+    resets: list[int] = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    out: dict[str, Any] = {}
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        out.setdefault("synced", []).append([p.detach().clone() for p in state.model.parameters()])
+        if not resets:
+            raise hvd.HostsUpdatedInterrupt()  # the script's own: reset, sync again, run again
+        state.model(torch.ones(1, 2)).sum().backward()
+        state.optimizer.step()
+        state.sampler.record_batch(0, 2)  # 2 samples on each of the 2 ranks
+        state.epoch += 1
+        state.commit()
+        committed = [p.detach().clone() for p in state.model.parameters()]
+        with torch.no_grad():
+            state.model.weight.fill_(100.0)
+        state.epoch, state.sampler.processed_num = 99, 8
+        state.restore()  # back to the commit
+        out["restored"] = all(torch.equal(a, b) for a, b in zip(committed, state.model.parameters(), strict=True))
+        return state.epoch
+
+    out["epoch"] = train(state)
+    out["resets"], out["sampler"] = resets, list(sampler)
+    return {"elastic": out}
+
+
 def _checks(rank: int) -> dict[str, Any]:
     hvd.init()
     r: dict[str, Any] = {"errors": _disagreements(rank)}
@@ -114,6 +148,8 @@ def _checks(rank: int) -> dict[str, Any]:
     reference = torch.nn.Embedding(5, 2, _weight=weights.clone())  # both ranks' batches, averaged, on one process
     (reference(inputs[0]).sum() + reference(inputs[1]).sum()).div(2).backward()
     r["sparse_optimizer"] = torch.equal(model.weight.detach(), weights - reference.weight.grad)
+
+    r.update(_elastic(rank))
 
     # init after shutdown (Horovod's tests do it around every test), then with the check turned off
     hvd.shutdown()
@@ -210,3 +246,12 @@ def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[st
         assert torch.equal(r["sparse"], torch.tensor([1.0, 1.0, 4.0])) and r["sparse_optimizer"]
         assert r["after_shutdown"] is False and torch.equal(r["reinit"], torch.tensor([2.0]))
         assert r["unchecked_names"] == ""  # TRAINMESH_HOROVOD_CHECK=0: no agreement round
+
+
+def test_elastic_state_run_and_sampler(ranks: list[dict[str, Any]]) -> None:
+    first, second = (r["elastic"] for r in ranks)
+    for ours, theirs in zip(first["synced"], second["synced"], strict=True):  # rank 0's weights, twice
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    for e in (first, second):
+        assert e["epoch"] == 11 and e["restored"] and e["resets"] == [2]  # rank 0's epoch 10, plus one
+    assert first["sampler"] == [4, 6, 8] and second["sampler"] == [5, 7, 9]  # 4 of 10 processed

@@ -10,6 +10,7 @@
 What is supported, what is refused and how the two differ: docs/horovod.md.
 """
 
+from trainmesh.compat.horovod import elastic
 from trainmesh.compat.horovod.basics import (
     Adasum,
     Average,
@@ -126,6 +127,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

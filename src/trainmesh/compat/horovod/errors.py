@@ -9,5 +9,10 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod elastic's signal that hosts were added or removed; never raised here (hvd.elastic is not provided),
-    defined so that scripts catching it import."""
+    """Horovod elastic's signal that hosts were added or removed. trainmesh never raises it (torchrun restarts
+    the whole group instead); a script may, to make hvd.elastic.run reset and run again. `skip_sync`: without
+    syncing the state first."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts were updated")
+        self.skip_sync = skip_sync

@@ -126,11 +126,23 @@ def _checks(rank: int) -> dict[str, Any]:
     r["grouped_reducescatter"] = hvd.synchronize(hvd.grouped_reducescatter_async([pair[0]], op=hvd.Sum))
 
     # process sets: every rank adds them; collectives are called by the members only
-    alone = [hvd.add_process_set([0]), hvd.add_process_set([1])][rank]
+    singles = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    alone = singles[rank]
     both = hvd.add_process_set(hvd.ProcessSet([1, 0]))
     r["set_alone"] = hvd.allreduce(torch.ones(1) * (rank + 1), op=hvd.Sum, process_set=alone)
     r["set_both"] = hvd.allgather(torch.ones(1) * rank, process_set=both)
     r["set_who"] = [alone.size(), alone.rank(), both.ranks, hvd.global_process_set.size()]
+    r["set_object"] = hvd.broadcast_object(f"from {rank}", root_rank=rank, process_set=alone)
+    # an optimizer on a set averages over its members; a rank outside it steps alone (rank 1 and set [0])
+    steps = []
+    for ps in (singles[0], both):
+        layer = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(layer.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), process_set=ps)
+        layer(torch.full((1, 1), float(rank + 1))).sum().backward()  # gradient: rank + 1
+        opt.step()
+        steps.append(layer.weight.item())
+    r["set_optimizer"] = steps
     r["set_removed"] = [hvd.remove_process_set(alone), hvd.remove_process_set(alone)]
     r["set_refused"] = _error(lambda: hvd.allreduce(torch.ones(1), process_set=alone))
 
@@ -154,8 +166,10 @@ def _checks(rank: int) -> dict[str, Any]:
     # init after shutdown (Horovod's tests do it around every test), then with the check turned off
     hvd.shutdown()
     r["after_shutdown"] = hvd.is_initialized()
-    hvd.init()
+    first = hvd.ProcessSet([0])
+    hvd.init(process_sets=[first])  # Horovod's static process sets
     r["reinit"] = hvd.allreduce(torch.ones(1), op=hvd.Sum)
+    r["init_set"] = [first.process_set_id is not None, first.size(), first.included()]
     hvd.shutdown()
     os.environ["TRAINMESH_HOROVOD_CHECK"] = "0"
     hvd.init()
@@ -235,6 +249,8 @@ def test_grouped_collectives(ranks: list[dict[str, Any]]) -> None:
 
 def test_process_sets(ranks: list[dict[str, Any]]) -> None:
     assert [r["set_alone"].item() for r in ranks] == [1.0, 2.0]  # each rank alone in its set
+    assert [r["set_object"] for r in ranks] == ["from 0", "from 1"]
+    assert [r["set_optimizer"] for r in ranks] == [[0.0, -0.5], [-1.0, -0.5]]  # 1 - grad; 1 - (1 + 2) / 2
     for r in ranks:
         assert torch.equal(r["set_both"], torch.tensor([0.0, 1.0]))
         assert r["set_who"] == [1, 0, [0, 1], 2] and r["set_removed"] == [True, False]
@@ -246,6 +262,7 @@ def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[st
         assert torch.equal(r["sparse"], torch.tensor([1.0, 1.0, 4.0])) and r["sparse_optimizer"]
         assert r["after_shutdown"] is False and torch.equal(r["reinit"], torch.tensor([2.0]))
         assert r["unchecked_names"] == ""  # TRAINMESH_HOROVOD_CHECK=0: no agreement round
+    assert [r["init_set"] for r in ranks] == [[True, 1, True], [True, 1, False]]
 
 
 def test_elastic_state_run_and_sampler(ranks: list[dict[str, Any]]) -> None:

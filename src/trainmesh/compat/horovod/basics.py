@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from types import TracebackType
 
@@ -58,20 +58,25 @@ _state = _State()
 at_shutdown: list[Callable[[], None]] = []  # what other modules forget at hvd.shutdown() (the process sets)
 
 
-def init(comm: object = None, process_sets: object = None) -> None:
-    """Join the job's process group (or adopt the existing one); calling it again does nothing."""
+def init(comm: object = None, process_sets: Sequence[object] | str | None = None) -> None:
+    """Join the job's process group (or adopt the existing one); calling it again does nothing. `process_sets`:
+    hvd.ProcessSet objects (or lists of ranks) to add, as Horovod's; "dynamic" is accepted (every set is)."""
     if comm is not None:
         raise ValueError(
             f"hvd.init(comm={comm!r}): MPI communicators are not supported; trainmesh.compat.horovod runs on "
             "torch.distributed's default process group (all ranks). Fix: call hvd.init() without comm."
         )
-    if process_sets is not None:
-        raise ValueError(
-            "hvd.init(process_sets=...): process sets are not supported; every collective spans all ranks. "
-            "Fix: call hvd.init() without process_sets (for a subgroup, use torch.distributed.new_group)."
-        )
     if is_initialized():
         return
+    _join()
+    if process_sets is not None and process_sets != "dynamic":
+        from trainmesh.compat.horovod.process_sets import add_process_set  # imports this module: import it late
+
+        for process_set in process_sets:
+            add_process_set(process_set)  # type: ignore[arg-type]  # add_process_set checks it
+
+
+def _join() -> None:
     _state.check = read_var("TRAINMESH_HOROVOD_CHECK", "1") != "0"
     if _state.kept is not None and dist.is_initialized():
         _state.env, _state.owns_group, _state.kept = _state.kept, True, None

@@ -18,7 +18,7 @@ from trainmesh.compat.horovod.basics import ReduceOp, rank, size
 from trainmesh.compat.horovod.gather import broadcast_work, check_root
 from trainmesh.compat.horovod.ops import allreduce, on_wire
 from trainmesh.compat.horovod.optimizer import _DistributedOptimizer
-from trainmesh.compat.horovod.process_sets import global_process_set
+from trainmesh.compat.horovod.process_sets import global_process_set, resolve
 from trainmesh.compat.horovod.rounds import Kind, start_round
 
 
@@ -110,14 +110,16 @@ def _layout(
     return layout, values
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """root_rank's `obj` on every rank (pickled, through torch's broadcast_object_list)."""
-    check_root(root_rank, global_process_set, "hvd.broadcast_object")
-    if size() == 1:
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: object = None) -> Any:
+    """root_rank's `obj` on every member of the process set (all ranks by default; root_rank is a global rank),
+    pickled, through torch's broadcast_object_list."""
+    ps = resolve(process_set, "hvd.broadcast_object")
+    check_root(root_rank, ps, "hvd.broadcast_object")
+    if ps.size() == 1:
         return obj
-    start_round(Kind.OTHER, Call("hvd.broadcast_object", name, root=root_rank))
+    start_round(Kind.OTHER, Call("hvd.broadcast_object", name, root=root_rank), group=ps.group)
     box = [obj if rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank)
+    dist.broadcast_object_list(box, src=root_rank, group=ps.group)
     return obj if rank() == root_rank else box[0]
 
 

@@ -22,7 +22,7 @@ from trainmesh.compat.horovod.basics import ReduceOp, size
 from trainmesh.compat.horovod.compression import Compression, Compressor
 from trainmesh.compat.horovod.exchange import sparse_allreduce_async
 from trainmesh.compat.horovod.ops import resolve_op
-from trainmesh.compat.horovod.process_sets import global_process_set, resolve
+from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
 from trainmesh.compat.horovod.rounds import Kind, register_optimizer, start_round
 
 TOO_MANY_PASSES = (
@@ -61,21 +61,15 @@ def DistributedOptimizer(  # Horovod's name, and a function that returns an opti
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: must be a whole number >= 1")
-    if resolve(process_set, "hvd.DistributedOptimizer") is not global_process_set:
-        raise ValueError(
-            f"hvd.DistributedOptimizer(process_set={process_set!r}): only hvd.global_process_set (all ranks) is "
-            "supported for the optimizer. Fix: drop process_set=, or all-reduce the gradients yourself with "
-            "hvd.grouped_allreduce(..., process_set=...) before optimizer.step()"
-        )
+    ps = resolve(process_set, "hvd.DistributedOptimizer", members_only=False)  # a non-member steps alone
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped: _DistributedOptimizer = object.__new__(cls)
     init: Any = base.__init__  # the wrapped class's own constructor, over the same param groups (as Horovod)
     init(wrapped, optimizer.param_groups)
     wrapped.defaults = optimizer.defaults  # a group added later gets the user's defaults, not the class's
-    wrapped._hvd_setup(
-        named_parameters, compression, backward_passes_per_step, reduce_op, gradient_predivide_factor, sparse_as_dense
-    )
+    options = (compression, backward_passes_per_step, reduce_op, gradient_predivide_factor, sparse_as_dense, ps)
+    wrapped._hvd_setup(named_parameters, *options)
     return wrapped
 
 
@@ -93,6 +87,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         op: ReduceOp,
         predivide: float,
         sparse_as_dense: bool,
+        ps: ProcessSet,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         self._hvd_names = _names(named_parameters, params)
@@ -106,9 +101,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
         self._hvd_reset()
-        self._hvd_index = -1  # in the join registry; -1: one rank, nothing is reduced
-        if size() > 1:
-            self._hvd_index = register_optimizer(self._hvd_shadow)
+        self._hvd_ps = ps
+        # The join registry's index counts every optimizer in creation order, the same on every rank (members of
+        # its process set or not); -1: one rank. A non-member of the set steps alone, as under Horovod.
+        self._hvd_index = register_optimizer(self._hvd_shadow) if size() > 1 else -1
+        self._hvd_reduces = ps.included() and ps.size() > 1
+        if self._hvd_reduces:
             ref = weakref.ref(self)
             handles = [p.register_post_accumulate_grad_hook(_hook(ref)) for p in self._hvd_order]
             weakref.finalize(self, _remove, handles)  # a dropped optimizer stops reducing
@@ -134,14 +132,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_send(self, i: int) -> None:
         if not self._hvd_round_open:  # the round's header goes first, for ranks inside hvd.join()
             call = Call("hvd.DistributedOptimizer.step", f"optimizer #{self._hvd_index}")
-            self._hvd_header = start_round(Kind.OPTIMIZER, call, [self._hvd_index])
+            self._hvd_header = start_round(Kind.OPTIMIZER, call, [self._hvd_index], self._hvd_ps.group)
             self._hvd_round_open = True
         param = self._hvd_order[i]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         if param.grad.is_sparse:
             if not self._hvd_sparse_as_dense:  # Horovod's sparse path: indices and values gathered, not summed
-                self._hvd_sent[i] = sparse_allreduce_async(param.grad, self._hvd_names.get(param), self._hvd_op)
+                name = self._hvd_names.get(param)
+                self._hvd_sent[i] = sparse_allreduce_async(param.grad, name, self._hvd_op, self._hvd_ps)
                 return
             param.grad = param.grad.to_dense()
         tensor, ctx = self._hvd_compression.compress(param.grad)
@@ -149,7 +148,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = tensor.contiguous()
         if self._hvd_predivide != 1.0:
             tensor.mul_(1.0 / self._hvd_predivide)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._hvd_ps.group, async_op=True)
         self._hvd_sent[i] = (tensor, ctx, work)
 
     def _hvd_receive(self, i: int) -> None:
@@ -161,7 +160,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tensor, ctx, work = sent
         work.wait()
         if self._hvd_op == ReduceOp.Average:
-            tensor.div_(size())
+            tensor.div_(self._hvd_ps.size())
             if self._hvd_predivide != 1.0:
                 tensor.mul_(self._hvd_predivide)
         result = self._hvd_compression.decompress(tensor, ctx)
@@ -187,7 +186,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Finish the gradients' all-reduces (starting those that have not started) and write the results
         into .grad. Call it before changing gradients (clipping, unscaling), then step() inside
         skip_synchronize()."""
-        if self._hvd_index >= 0:
+        if self._hvd_reduces:
             for i in range(self._hvd_next, len(self._hvd_order)):
                 self._hvd_send(i)
             if self._hvd_header is not None:

@@ -83,8 +83,8 @@ def forget_process_sets() -> None:
 at_shutdown.append(forget_process_sets)
 
 
-def resolve(process_set: object, what: str) -> ProcessSet:
-    """The set a collective runs on: this rank must be a member of a registered set."""
+def resolve(process_set: object, what: str, members_only: bool = True) -> ProcessSet:
+    """The set a collective runs on: a registered set, of which this rank must be a member (`members_only`)."""
     if process_set is None or process_set is global_process_set:
         return global_process_set
     if not isinstance(process_set, ProcessSet):
@@ -93,7 +93,7 @@ def resolve(process_set: object, what: str) -> ProcessSet:
         raise ValueError(
             f"{what}: {process_set!r} is not registered. Fix: hvd.add_process_set(...) on every rank first"
         )
-    if not process_set.included():
+    if members_only and not process_set.included():
         raise ValueError(
             f"{what}: rank {rank()} is not in {process_set!r}; only its members may call collectives on it"
         )

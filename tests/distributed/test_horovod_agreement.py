@@ -150,16 +150,22 @@ def _checks(rank: int) -> dict[str, Any]:
     sparse = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (3,))
     r["sparse"] = hvd.sparse_allreduce_async(sparse, name="emb", op=hvd.Sum)().to_dense()
 
-    # a DistributedOptimizer over sparse gradients (sparse_as_dense=False): Horovod's gathered indices and values
+    # a DistributedOptimizer over sparse gradients: Horovod's gathered indices and values, or (sparse_as_dense) a
+    # dense all-reduce whose result the optimizer gets back as a sparse gradient
     inputs = [torch.tensor([0, 1, 1]), torch.tensor([1, 3])]
     weights = torch.arange(10.0).reshape(5, 2)
-    model = torch.nn.Embedding(5, 2, sparse=True, _weight=weights.clone())
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters())
-    model(inputs[rank]).sum().backward()
-    opt.step()
     reference = torch.nn.Embedding(5, 2, _weight=weights.clone())  # both ranks' batches, averaged, on one process
     (reference(inputs[0]).sum() + reference(inputs[1]).sum()).div(2).backward()
-    r["sparse_optimizer"] = torch.equal(model.weight.detach(), weights - reference.weight.grad)
+    assert reference.weight.grad is not None
+    r["sparse_optimizer"] = []
+    for as_dense in (False, True):
+        model = torch.nn.Embedding(5, 2, sparse=True, _weight=weights.clone())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), sparse_as_dense=as_dense)
+        model(inputs[rank]).sum().backward()
+        opt.step()
+        assert model.weight.grad is not None
+        stepped = torch.equal(model.weight.detach(), weights - reference.weight.grad)
+        r["sparse_optimizer"].append((stepped, model.weight.grad.is_sparse))
 
     r.update(_elastic(rank))
 
@@ -259,7 +265,8 @@ def test_process_sets(ranks: list[dict[str, Any]]) -> None:
 
 def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
-        assert torch.equal(r["sparse"], torch.tensor([1.0, 1.0, 4.0])) and r["sparse_optimizer"]
+        assert torch.equal(r["sparse"], torch.tensor([1.0, 1.0, 4.0]))
+        assert r["sparse_optimizer"] == [(True, True), (True, True)]
         assert r["after_shutdown"] is False and torch.equal(r["reinit"], torch.tensor([2.0]))
         assert r["unchecked_names"] == ""  # TRAINMESH_HOROVOD_CHECK=0: no agreement round
     assert [r["init_set"] for r in ranks] == [[True, 1, True], [True, 1, False]]

@@ -137,13 +137,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         param = self._hvd_order[i]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        if param.grad.is_sparse:
+        grad = param.grad
+        if grad.is_sparse:
             if not self._hvd_sparse_as_dense:  # Horovod's sparse path: indices and values gathered, not summed
                 name = self._hvd_names.get(param)
-                self._hvd_sent[i] = sparse_allreduce_async(param.grad, name, self._hvd_op, self._hvd_ps)
+                self._hvd_sent[i] = sparse_allreduce_async(grad, name, self._hvd_op, self._hvd_ps)
                 return
-            param.grad = param.grad.to_dense()
-        tensor, ctx = self._hvd_compression.compress(param.grad)
+            grad = grad.to_dense()  # all-reduced dense; the result goes back to sparse (_hvd_receive), as Horovod's
+        tensor, ctx = self._hvd_compression.compress(grad)
         if not tensor.is_contiguous():  # e.g. channels_last: c10d wants contiguous tensors
             tensor = tensor.contiguous()
         if self._hvd_predivide != 1.0:
@@ -164,10 +165,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._hvd_predivide != 1.0:
                 tensor.mul_(self._hvd_predivide)
         result = self._hvd_compression.decompress(tensor, ctx)
-        grad = self._hvd_order[i].grad
-        assert grad is not None
-        if result is not grad:
-            grad.copy_(result)
+        param = self._hvd_order[i]
+        assert param.grad is not None
+        if param.grad.is_sparse:  # sparse_as_dense: the optimizer gets a sparse gradient, as it would alone
+            param.grad = result.to_sparse()
+        elif result is not param.grad:
+            param.grad.copy_(result)
 
     def _hvd_shadow(self) -> None:
         """What a rank inside hvd.join() does for this optimizer's round: zeros for every gradient."""

@@ -52,13 +52,19 @@ class Call:
         return f"{self.what}({', '.join(p for p in parts if p)})"
 
 
-def describe(what: str, tensor: torch.Tensor | None = None, name: str | None = None, **fields: object) -> Call:
-    """A Call for `tensor` (its dtype, shape and device type)."""
-    if tensor is None:
-        return Call(what, name, **fields)  # type: ignore[arg-type]
-    fields.setdefault("shape", tuple(tensor.shape))
+def describe(
+    what: str,
+    tensor: torch.Tensor,
+    name: str | None,
+    op: str = "",
+    root: int | None = None,
+    any_first_dim: bool = False,
+) -> Call:
+    """A Call for `tensor` (its dtype, shape and device type); `any_first_dim`: the ranks' first dimensions may
+    differ (allgather, alltoall)."""
+    shape: tuple[int | str, ...] = ("*", *tensor.shape[1:]) if any_first_dim else tuple(tensor.shape)
     dtype = str(tensor.dtype).removeprefix("torch.")
-    return Call(what, name, dtype=dtype, device=tensor.device.type, **fields)  # type: ignore[arg-type]
+    return Call(what, name, op, dtype, shape, root, tensor.device.type)
 
 
 def agreed(active: int, total: int, squares: int) -> bool:

@@ -22,6 +22,7 @@ from trainmesh.compat.horovod.ops import (
     finish_reduction,
     group_handle,
     on_wire,
+    part_names,
     resolve_op,
     scale_,
     synchronize,
@@ -63,7 +64,7 @@ def alltoall_async(
     member sent this one, concatenated in rank order, and how many rows came from each (int32)."""
     ps = check("hvd.alltoall", process_set, tensor)
     send = _send_counts(tensor, splits, ps.size())
-    start_round(Kind.OTHER, describe("hvd.alltoall", tensor, name, shape=("*", *tensor.shape[1:])), group=ps.group)
+    start_round(Kind.OTHER, describe("hvd.alltoall", tensor, name, any_first_dim=True), group=ps.group)
     wire = on_wire(tensor.detach()[: sum(send)])
     if ps.size() == 1:
         return Handle([], lambda: (wire.clone().to(tensor.dtype), torch.tensor(send, dtype=torch.int32)))
@@ -173,10 +174,6 @@ class _Reducescatter(torch.autograd.Function):
         return allgather(grad * factor, process_set=ctx.ps), None, None, None, None, None
 
 
-def _names(name: str | None, count: int) -> list[str | None]:
-    return [None if name is None else f"{name}.{i}" for i in range(count)]
-
-
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
@@ -188,7 +185,7 @@ def grouped_reducescatter_async(
     """reducescatter_async for each tensor, one handle for all."""
     handles = [
         reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
-        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+        for t, n in zip(tensors, part_names(name, len(tensors)), strict=True)
     ]
     return group_handle(handles)
 
@@ -205,7 +202,7 @@ def grouped_reducescatter(
     """hvd.reducescatter for each tensor (differentiable)."""
     return [
         reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor)
-        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+        for t, n in zip(tensors, part_names(name, len(tensors)), strict=True)
     ]
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from trainmesh.compat.horovod.agreement import describe
 from trainmesh.compat.horovod.basics import ReduceOp, rank
-from trainmesh.compat.horovod.ops import Handle, allreduce_async, check, group_handle, on_wire, synchronize
+from trainmesh.compat.horovod.ops import Handle, allreduce_async, check, group_handle, on_wire, part_names, synchronize
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
 from trainmesh.compat.horovod.rounds import Kind, start_round
 
@@ -42,7 +42,7 @@ def allgather_with_sizes(
     ps = check("hvd.allgather", process_set, tensor)
     if tensor.dim() == 0:
         raise ValueError("hvd.allgather: a scalar; it is concatenated along dimension 0. Fix: tensor.reshape(1)")
-    call = describe("hvd.allgather", tensor, name, shape=("*", *tensor.shape[1:]))
+    call = describe("hvd.allgather", tensor, name, any_first_dim=True)
     start_round(Kind.OTHER, call, group=ps.group)
     sizes = first_dims(tensor, ps)
     longest = max(sizes)
@@ -79,15 +79,11 @@ class _Allgather(torch.autograd.Function):
         return averaged.narrow(0, offset, ctx.sizes[ctx.ps.rank()]), None, None
 
 
-def _names(name: str | None, count: int) -> list[str | None]:
-    return [None if name is None else f"{name}.{i}" for i in range(count)]
-
-
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: object = None
 ) -> Handle[list[torch.Tensor]]:
     """allgather_async for each tensor, one handle for all."""
-    names = _names(name, len(tensors))
+    names = part_names(name, len(tensors))
     return group_handle([allgather_async(t, n, process_set) for t, n in zip(tensors, names, strict=True)])
 
 
@@ -95,7 +91,7 @@ def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: object = None
 ) -> list[torch.Tensor]:
     """hvd.allgather for each tensor (differentiable)."""
-    return [allgather(t, n, process_set) for t, n in zip(tensors, _names(name, len(tensors)), strict=True)]
+    return [allgather(t, n, process_set) for t, n in zip(tensors, part_names(name, len(tensors)), strict=True)]
 
 
 def broadcast_async_(

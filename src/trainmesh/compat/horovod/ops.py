@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from trainmesh.compat.horovod.agreement import describe
+from trainmesh.compat.horovod.agreement import Call, describe
 from trainmesh.compat.horovod.basics import ReduceOp
 from trainmesh.compat.horovod.compression import Compression, Compressor
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
@@ -202,7 +202,8 @@ class _Allreduce(torch.autograd.Function):
         return reduced, None, None, None, None, None
 
 
-def _names(name: str | None, count: int) -> list[str | None]:
+def part_names(name: str | None, count: int) -> list[str | None]:
+    """The names of a grouped call's parts (Horovod: name.0, name.1, ...)."""
     return [None if name is None else f"{name}.{i}" for i in range(count)]
 
 
@@ -218,7 +219,7 @@ def grouped_allreduce_async_(
     """allreduce_async_ for each tensor, one handle for all (one collective each: no fusion)."""
     handles = [
         allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
-        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+        for t, n in zip(tensors, part_names(name, len(tensors)), strict=True)
     ]
     return group_handle(handles)
 
@@ -262,11 +263,11 @@ def grouped_allreduce(
     """hvd.allreduce for each tensor (differentiable; one collective each)."""
     return [
         allreduce(t, average, n, compression, op, prescale_factor, postscale_factor, process_set)
-        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+        for t, n in zip(tensors, part_names(name, len(tensors)), strict=True)
     ]
 
 
 def barrier(process_set: object = None) -> None:
     """Wait until every rank of the process set has reached this call."""
     ps = check("hvd.barrier", process_set)
-    start_round(Kind.OTHER, describe("hvd.barrier"), group=ps.group)  # waits for every rank's header: a barrier
+    start_round(Kind.OTHER, Call("hvd.barrier"), group=ps.group)  # waits for every rank's header: a barrier

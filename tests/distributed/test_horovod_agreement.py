@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 
 import trainmesh.horovod as hvd
+from trainmesh.compat.horovod.ops import Handle, finish_reduction
 from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -46,13 +48,39 @@ def _disagreements(rank: int) -> dict[str, str]:
     }
 
 
+def _in_place_on_parameters(rank: int) -> dict[str, Any]:
+    """The in-place calls on a parameter (a leaf that requires grad), which autograd forbids changing in place."""
+    param = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+    hvd.broadcast_(param, root_rank=0)
+    broadcast = param.detach().clone()
+    hvd.synchronize(hvd.broadcast_async_(param, root_rank=1))  # rank 1's value is still rank 0's: 1
+    hvd.allreduce_(param, op=hvd.Sum)
+    return {"param_in_place": [broadcast, param.detach().clone(), param.requires_grad]}
+
+
+def _optimizer_after_an_error(rank: int) -> dict[str, Any]:
+    """A HorovodInternalError inside the optimizer's backward hook (rank 0 steps, rank 1 all-reduces): the
+    optimizer forgets the pass, and the next step works on both ranks."""
+    layer = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(layer.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0))
+    if rank == 0:
+        error = _error(lambda: layer(torch.ones(1, 1)).sum().backward())
+    else:
+        error = _error(lambda: hvd.allreduce(torch.ones(1)))
+    opt.zero_grad()  # raised "zero_grad() ... race condition" when the failed pass was still counted
+    layer(torch.full((1, 1), float(rank + 1))).sum().backward()  # gradient: rank + 1
+    opt.step()
+    return {"optimizer_error": error, "optimizer_after_error": layer.weight.item()}
+
+
 def _elastic(rank: int) -> dict[str, Any]:
     """hvd.elastic: the state synced from rank 0, commit and restore, a reset on HostsUpdatedInterrupt, the sampler."""
     torch.manual_seed(rank)  # different weights on each rank until the state is synced
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
-    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=10 + rank)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=10 + rank, best=None)
     resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
     out: dict[str, Any] = {}
@@ -66,12 +94,14 @@ def _elastic(rank: int) -> dict[str, Any]:
         state.optimizer.step()
         state.sampler.record_batch(0, 2)  # 2 samples on each of the 2 ranks
         state.epoch += 1
+        out["best"] = [state.best]  # a None value is a plain attribute too, as under Horovod
         state.commit()
         committed = [p.detach().clone() for p in state.model.parameters()]
         with torch.no_grad():
             state.model.weight.fill_(100.0)
-        state.epoch, state.sampler.processed_num = 99, 8
+        state.epoch, state.sampler.processed_num, state.best = 99, 8, 0.5
         state.restore()  # back to the commit
+        out["best"].append(state.best)
         out["restored"] = all(torch.equal(a, b) for a, b in zip(committed, state.model.parameters(), strict=True))
         return state.epoch
 
@@ -167,6 +197,8 @@ def _checks(rank: int) -> dict[str, Any]:
         stepped = torch.equal(model.weight.detach(), weights - reference.weight.grad)
         r["sparse_optimizer"].append((stepped, model.weight.grad.is_sparse))
 
+    r.update(_in_place_on_parameters(rank))
+    r.update(_optimizer_after_an_error(rank))
     r.update(_elastic(rank))
 
     # init after shutdown (Horovod's tests do it around every test), then with the check turned off
@@ -272,10 +304,38 @@ def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[st
     assert [r["init_set"] for r in ranks] == [[True, 1, True], [True, 1, False]]
 
 
+def test_in_place_calls_on_a_parameter(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        broadcast, reduced, requires_grad = r["param_in_place"]
+        assert torch.equal(broadcast, torch.ones(3)) and torch.equal(reduced, torch.full((3,), 2.0))
+        assert requires_grad
+
+
+def test_optimizer_recovers_from_an_error_in_its_hook(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["optimizer_error"].startswith("HorovodInternalError: "), r["optimizer_error"]
+        assert r["optimizer_after_error"] == -0.5  # 1 - (1 + 2) / 2
+
+
+def test_integer_average_divides_after_scaling() -> None:
+    # 49 * (1 / 49) is 0.999..., which truncated to 0; 49 * 1 / 49 is exactly 1
+    summed = torch.tensor([49, -98, 50], dtype=torch.int32)
+    assert torch.equal(finish_reduction(summed, hvd.Average, 49, 1.0), torch.tensor([1, -2, 1], dtype=torch.int32))
+
+
+def test_a_handle_finishes_once_across_threads() -> None:
+    calls: list[int] = []
+    handle = Handle([], lambda: calls.append(1) or len(calls))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: handle.wait(), range(8)))
+    assert calls == [1] and results == [1] * 8
+
+
 def test_elastic_state_run_and_sampler(ranks: list[dict[str, Any]]) -> None:
     first, second = (r["elastic"] for r in ranks)
     for ours, theirs in zip(first["synced"], second["synced"], strict=True):  # rank 0's weights, twice
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     for e in (first, second):
         assert e["epoch"] == 11 and e["restored"] and e["resets"] == [2]  # rank 0's epoch 10, plus one
+        assert e["best"] == [None, None]
     assert first["sampler"] == [4, 6, 8] and second["sampler"] == [5, 7, 9]  # 4 of 10 processed

@@ -89,6 +89,6 @@ def refuse(mine: Call, group: dist.ProcessGroup | None = None) -> HorovodInterna
     return HorovodInternalError(
         f"{mine.what}: the ranks called different collectives, so none ran (rank in this group: call):\n{lines}\n"
         "Every rank must issue the same collectives in the same order, with the same name, operation, dtype, "
-        "root rank and shape (allgather: all but the first dimension; alltoall and reducescatter: all but the "
-        "first). Fix: make the differing rank's call match the others'."
+        "root rank and shape (allgather and alltoall: all but the first dimension). Fix: make the differing "
+        "rank's call match the others'."
     )

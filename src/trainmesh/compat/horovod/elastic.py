@@ -169,7 +169,8 @@ class TorchState(ObjectState):
         self._handlers = {name: _Handler(value) for name, value in handled.items()}
         for name, value in handled.items():
             object.__setattr__(self, name, value)
-        plain = {name: value for name, value in kwargs.items() if name not in handled and value is not None}
+        # Horovod keeps every value without a handler (None included) as a plain attribute, saved and restored
+        plain = {name: value for name, value in kwargs.items() if name not in handled}
         super().__init__(**plain)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -13,7 +13,16 @@ import torch.distributed as dist
 
 from trainmesh.compat.horovod.agreement import describe
 from trainmesh.compat.horovod.basics import ReduceOp, rank
-from trainmesh.compat.horovod.ops import Handle, allreduce_async, check, group_handle, on_wire, part_names, synchronize
+from trainmesh.compat.horovod.ops import (
+    Handle,
+    allreduce_async,
+    check,
+    copy_back,
+    group_handle,
+    on_wire,
+    part_names,
+    synchronize,
+)
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
 from trainmesh.compat.horovod.rounds import Kind, start_round
 
@@ -103,7 +112,7 @@ def broadcast_async_(
     start_round(Kind.OTHER, describe("hvd.broadcast", tensor, name, root=root_rank), group=ps.group)
     buffer = on_wire(tensor.detach())
     work = broadcast_work(buffer, root_rank, ps)
-    return Handle([work], lambda: tensor if buffer is tensor else tensor.copy_(buffer))
+    return Handle([work], lambda: copy_back(tensor, buffer))
 
 
 def broadcast_work(tensor: torch.Tensor, root_rank: int, ps: ProcessSet | None = None) -> dist.Work | None:

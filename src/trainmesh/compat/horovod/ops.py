@@ -6,6 +6,7 @@ Details: docs/internals.md#compathorovodopspy
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -29,15 +30,17 @@ class Handle(Generic[T]):
         self._works = [w for w in works if w is not None]
         self._finish: Callable[[], T] | None = finish
         self._result: T | None = None
+        self._lock = threading.Lock()  # threads may wait on one handle: finish (a copy, a division) runs once
 
     def done(self) -> bool:
         return self._finish is None or all(w.is_completed() for w in self._works)
 
     def wait(self) -> T:
-        if self._finish is not None:
-            for work in self._works:
-                work.wait()
-            self._result, self._finish = self._finish(), None
+        with self._lock:
+            if self._finish is not None:
+                for work in self._works:
+                    work.wait()
+                self._result, self._finish = self._finish(), None
         return self._result  # type: ignore[return-value]  # set above, once
 
 
@@ -93,16 +96,26 @@ def on_wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(wire_dtype(tensor.dtype))
 
 
-def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """tensor *= factor as Horovod scales: integers in float64, then cast back (truncation toward zero); float16
-    and bfloat16 in float32 (Horovod's CPU arithmetic for half precision)."""
-    if factor == 1.0:
+def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> torch.Tensor:
+    """tensor *= factor / divisor as Horovod scales: integers in float64, then cast back (truncation toward zero);
+    float16 and bfloat16 in float32 (Horovod's CPU arithmetic for half precision). Integers are multiplied, then
+    divided: an exact multiple of `divisor` stays exact (49 * (1 / 49) is 0.999..., which truncates to 0)."""
+    if factor == 1.0 and divisor == 1:
         return tensor
     if tensor.is_floating_point() and tensor.element_size() == 2:
-        return tensor.copy_(tensor.float() * factor)
+        return tensor.copy_(tensor.float() * factor / divisor)
     if tensor.is_floating_point() or tensor.is_complex():
-        return tensor.mul_(factor)
-    return tensor.copy_(tensor.double() * factor)
+        return tensor.mul_(factor / divisor)
+    return tensor.copy_(tensor.double() * factor / divisor)
+
+
+def copy_back(tensor: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """Write `result` into `tensor` (an in-place call's input) unless it is there already. Under no_grad: the
+    input may be a leaf that requires grad (a parameter), which Horovod's in-place calls overwrite too."""
+    if result.data_ptr() != tensor.data_ptr() or result.dtype != tensor.dtype:
+        with torch.no_grad():
+            tensor.copy_(result)
+    return tensor
 
 
 def finish_reduction(tensor: torch.Tensor, op: ReduceOp, members: int, postscale: float) -> torch.Tensor:
@@ -113,7 +126,7 @@ def finish_reduction(tensor: torch.Tensor, op: ReduceOp, members: int, postscale
         if average:
             tensor.div_(members)
         return scale_(tensor, postscale)
-    return scale_(tensor, postscale / members if average else postscale)
+    return scale_(tensor, postscale, members if average else 1)
 
 
 def allreduce_async_(
@@ -132,12 +145,12 @@ def allreduce_async_(
     wire_code = dtype_code(wire_dtype(tensor.dtype))  # what a rank inside hvd.join() sends back
     fields = (int(reduce_op), wire_code, tensor.numel(), int(tensor.device.type == "cuda"))
     header = start_round(Kind.ALLREDUCE, describe("hvd.allreduce", tensor, name, op=reduce_op.name), fields, ps.group)
-    buffer = on_wire(scale_(tensor, prescale_factor))
+    # detached: the input may be a parameter (a leaf that requires grad), which autograd forbids changing in place
+    buffer = on_wire(scale_(tensor.detach(), prescale_factor))
     work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)
 
     def finish() -> torch.Tensor:
-        finish_reduction(buffer, reduce_op, ps.size(), postscale_factor)
-        return tensor if buffer is tensor else tensor.copy_(buffer)
+        return copy_back(tensor, finish_reduction(buffer, reduce_op, ps.size(), postscale_factor))
 
     return Handle([header, work], finish)
 

@@ -132,7 +132,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_send(self, i: int) -> None:
         if not self._hvd_round_open:  # the round's header goes first, for ranks inside hvd.join()
             call = Call("hvd.DistributedOptimizer.step", f"optimizer #{self._hvd_index}")
-            self._hvd_header = start_round(Kind.OPTIMIZER, call, [self._hvd_index], self._hvd_ps.group)
+            try:
+                self._hvd_header = start_round(Kind.OPTIMIZER, call, [self._hvd_index], self._hvd_ps.group)
+            except Exception:
+                self._hvd_reset()  # no round opened: forget this backward pass, so that zero_grad() and the
+                raise  # next step work (the delays were counted down already)
             self._hvd_round_open = True
         param = self._hvd_order[i]
         if param.grad is None:

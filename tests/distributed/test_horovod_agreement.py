@@ -48,6 +48,19 @@ def _disagreements(rank: int) -> dict[str, str]:
     }
 
 
+def _sparse_while_joined(rank: int) -> dict[str, Any]:
+    """A sparse gradient while rank 1 is inside hvd.join(): rank 0's goes dense, matching the joined rank's zeros
+    (gathering it instead aborted a rank), and the optimizer still gets a sparse gradient."""
+    model = torch.nn.Embedding(3, 1, sparse=True, _weight=torch.zeros(3, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    if rank == 0:
+        model(torch.tensor([0, 2, 2])).sum().backward()
+        opt.step()
+    last = hvd.join()
+    assert model.weight.grad is None or model.weight.grad.is_sparse
+    return {"sparse_joined": [model.weight.detach().flatten().tolist(), last]}
+
+
 def _in_place_on_parameters(rank: int) -> dict[str, Any]:
     """The in-place calls on a parameter (a leaf that requires grad), which autograd forbids changing in place."""
     param = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
@@ -113,6 +126,12 @@ def _elastic(rank: int) -> dict[str, Any]:
 def _checks(rank: int) -> dict[str, Any]:
     hvd.init()
     r: dict[str, Any] = {"errors": _disagreements(rank)}
+    # an argument refused on one rank only: that rank raises its ValueError, the other HorovodInternalError
+    r["refused_on_one"] = [
+        _error(lambda: hvd.alltoall(torch.ones(4 - rank))),  # rank 1: 3 rows do not split in 2
+        _error(lambda: hvd.allgather(torch.tensor(1.0) if rank else torch.ones(1))),  # rank 1: a scalar
+        _error(lambda: hvd.broadcast(torch.ones(2), root_rank=5 * rank)),  # rank 1: no rank 5
+    ]
     r["after_errors"] = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum)  # the ranks are still in step
 
     # int16 travels as int32 (gloo has no int16); the result is int16 again
@@ -197,6 +216,7 @@ def _checks(rank: int) -> dict[str, Any]:
         stepped = torch.equal(model.weight.detach(), weights - reference.weight.grad)
         r["sparse_optimizer"].append((stepped, model.weight.grad.is_sparse))
 
+    r.update(_sparse_while_joined(rank))
     r.update(_in_place_on_parameters(rank))
     r.update(_optimizer_after_an_error(rank))
     r.update(_elastic(rank))
@@ -302,6 +322,20 @@ def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[st
         assert r["after_shutdown"] is False and torch.equal(r["reinit"], torch.tensor([2.0]))
         assert r["unchecked_names"] == ""  # TRAINMESH_HOROVOD_CHECK=0: no agreement round
     assert [r["init_set"] for r in ranks] == [[True, 1, True], [True, 1, False]]
+
+
+def test_an_argument_refused_on_one_rank_raises_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for error in ranks[1]["refused_on_one"]:
+        assert error.startswith("ValueError: hvd."), error
+    for error in ranks[0]["refused_on_one"]:
+        assert error.startswith("HorovodInternalError: hvd."), error
+        assert "the arguments were refused on 1 of 2 ranks" in error
+
+
+def test_sparse_gradients_while_a_rank_is_joined(ranks: list[dict[str, Any]]) -> None:
+    # rank 0's gradient [1, 0, 2] averaged with rank 1's zeros; join() returns the rank that joined last
+    assert ranks[0]["sparse_joined"] == [[-0.5, 0.0, -1.0], 0]
+    assert ranks[1]["sparse_joined"] == [[0.0, 0.0, 0.0], 0]
 
 
 def test_in_place_calls_on_a_parameter(ranks: list[dict[str, Any]]) -> None:

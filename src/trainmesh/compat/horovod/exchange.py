@@ -19,6 +19,7 @@ from trainmesh.compat.horovod.gather import allgather, allgather_async
 from trainmesh.compat.horovod.ops import (
     Handle,
     check,
+    check_contiguous,
     finish_reduction,
     group_handle,
     on_wire,
@@ -28,7 +29,7 @@ from trainmesh.compat.horovod.ops import (
     synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet
-from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, start_round
+from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, own_checks, start_round
 
 
 def _send_counts(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None, members: int) -> list[int]:
@@ -62,8 +63,10 @@ def alltoall_async(
 ) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
     """Start sending splits[i] rows of `tensor` (along dimension 0, in order) to member i; the result is what every
     member sent this one, concatenated in rank order, and how many rows came from each (int32)."""
-    ps = check("hvd.alltoall", process_set, tensor)
-    send = _send_counts(tensor, splits, ps.size())
+    ps = check("hvd.alltoall", process_set)
+    with own_checks(ps.group):
+        check_contiguous("hvd.alltoall", tensor)
+        send = _send_counts(tensor, splits, ps.size())
     start_round(Kind.OTHER, describe("hvd.alltoall", tensor, name, any_first_dim=True), group=ps.group)
     wire = on_wire(tensor.detach()[: sum(send)])
     if ps.size() == 1:
@@ -126,9 +129,11 @@ def reducescatter_async(
     row more). Runs as an all-reduce followed by a slice: twice a reduce-scatter's traffic, but every op, dtype
     and uneven split works on gloo."""
     reduce_op = resolve_op(op, None, "hvd.reducescatter")
-    ps = check("hvd.reducescatter", process_set, tensor)
-    if tensor.dim() == 0:
-        raise ValueError("hvd.reducescatter: a scalar; it is split along dimension 0. Fix: tensor.reshape(1)")
+    ps = check("hvd.reducescatter", process_set)
+    with own_checks(ps.group):
+        check_contiguous("hvd.reducescatter", tensor)
+        if tensor.dim() == 0:
+            raise ValueError("hvd.reducescatter: a scalar; it is split along dimension 0. Fix: tensor.reshape(1)")
     start_round(Kind.OTHER, describe("hvd.reducescatter", tensor, name, op=reduce_op.name), group=ps.group)
     buffer = on_wire(scale_(tensor.detach().clone(), prescale_factor))
     work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)

@@ -19,7 +19,7 @@ from trainmesh.compat.horovod.gather import broadcast_work, check_root
 from trainmesh.compat.horovod.ops import allreduce, on_wire
 from trainmesh.compat.horovod.optimizer import _DistributedOptimizer
 from trainmesh.compat.horovod.process_sets import global_process_set, resolve
-from trainmesh.compat.horovod.rounds import Kind, start_round
+from trainmesh.compat.horovod.rounds import Kind, own_checks, start_round
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int) -> None:
@@ -31,10 +31,11 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params).__name__}; give a state_dict or named_parameters()")
-    for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"hvd.broadcast_parameters: entry {name!r} is a {type(tensor).__name__}, not a tensor")
-    check_root(root_rank, global_process_set, "hvd.broadcast_parameters")
+    with own_checks():
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"hvd.broadcast_parameters: entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        check_root(root_rank, global_process_set, "hvd.broadcast_parameters")
     layout = zlib.crc32(repr([(tuple(t.shape), t.dtype) for _, t in items]).encode())  # the ranks must agree on it
     start_round(
         Kind.OTHER, Call("hvd.broadcast_parameters", f"{len(items)} tensors, layout {layout:08x}", root=root_rank)
@@ -62,7 +63,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    check_root(root_rank, global_process_set, "hvd.broadcast_optimizer_state")
+    with own_checks():
+        check_root(root_rank, global_process_set, "hvd.broadcast_optimizer_state")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not optimizer.state:
         for p in params:
@@ -114,7 +116,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     """root_rank's `obj` on every member of the process set (all ranks by default; root_rank is a global rank),
     pickled, through torch's broadcast_object_list."""
     ps = resolve(process_set, "hvd.broadcast_object")
-    check_root(root_rank, ps, "hvd.broadcast_object")
+    with own_checks(ps.group):
+        check_root(root_rank, ps, "hvd.broadcast_object")
     if ps.size() == 1:
         return obj
     start_round(Kind.OTHER, Call("hvd.broadcast_object", name, root=root_rank), group=ps.group)

@@ -17,6 +17,7 @@ from trainmesh.compat.horovod.ops import (
     Handle,
     allreduce_async,
     check,
+    check_contiguous,
     copy_back,
     group_handle,
     on_wire,
@@ -24,7 +25,7 @@ from trainmesh.compat.horovod.ops import (
     synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
-from trainmesh.compat.horovod.rounds import Kind, start_round
+from trainmesh.compat.horovod.rounds import Kind, own_checks, start_round
 
 
 def first_dims(tensor: torch.Tensor, ps: ProcessSet) -> list[int]:
@@ -48,9 +49,11 @@ def allgather_with_sizes(
     tensor: torch.Tensor, name: str | None, process_set: object
 ) -> tuple[Handle[torch.Tensor], list[int]]:
     """allgather_async, and how many rows each member gave."""
-    ps = check("hvd.allgather", process_set, tensor)
-    if tensor.dim() == 0:
-        raise ValueError("hvd.allgather: a scalar; it is concatenated along dimension 0. Fix: tensor.reshape(1)")
+    ps = check("hvd.allgather", process_set)
+    with own_checks(ps.group):
+        check_contiguous("hvd.allgather", tensor)
+        if tensor.dim() == 0:
+            raise ValueError("hvd.allgather: a scalar; it is concatenated along dimension 0. Fix: tensor.reshape(1)")
     call = describe("hvd.allgather", tensor, name, any_first_dim=True)
     start_round(Kind.OTHER, call, group=ps.group)
     sizes = first_dims(tensor, ps)
@@ -107,8 +110,10 @@ def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None
 ) -> Handle[torch.Tensor]:
     """Start overwriting `tensor` with root_rank's on every member (root_rank: a global rank, as Horovod's)."""
-    ps = check("hvd.broadcast", process_set, tensor)
-    check_root(root_rank, ps, "hvd.broadcast")
+    ps = check("hvd.broadcast", process_set)
+    with own_checks(ps.group):
+        check_contiguous("hvd.broadcast", tensor)
+        check_root(root_rank, ps, "hvd.broadcast")
     start_round(Kind.OTHER, describe("hvd.broadcast", tensor, name, root=root_rank), group=ps.group)
     buffer = on_wire(tensor.detach())
     work = broadcast_work(buffer, root_rank, ps)

@@ -18,7 +18,7 @@ from trainmesh.compat.horovod.agreement import Call, describe
 from trainmesh.compat.horovod.basics import ReduceOp
 from trainmesh.compat.horovod.compression import Compression, Compressor
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
-from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, dtype_code, start_round
+from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, dtype_code, own_checks, start_round
 
 T = TypeVar("T")
 
@@ -61,12 +61,14 @@ def synchronize(handle: Handle[T]) -> T:
     return handle.wait()
 
 
-def check(what: str, process_set: object, tensor: torch.Tensor | None = None) -> ProcessSet:
-    """The process set to run on, once the call's local rules hold."""
-    ps = resolve(process_set, what)
-    if tensor is not None and not tensor.is_contiguous():
+def check(what: str, process_set: object) -> ProcessSet:
+    """The process set to run on (this rank must be a member)."""
+    return resolve(process_set, what)
+
+
+def check_contiguous(what: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
         raise ValueError(f"{what}: the tensor must be contiguous (Horovod's rule too). Fix: pass tensor.contiguous()")
-    return ps
 
 
 def resolve_op(op: int | None, average: bool | None, what: str) -> ReduceOp:
@@ -141,8 +143,10 @@ def allreduce_async_(
     """Start reducing `tensor` in place over the process set's ranks (all by default; Average by default: the sum
     divided by their number, truncated toward zero for integer tensors, as Horovod's)."""
     reduce_op = resolve_op(op, average, "hvd.allreduce")
-    ps = check("hvd.allreduce", process_set, tensor)
-    wire_code = dtype_code(wire_dtype(tensor.dtype))  # what a rank inside hvd.join() sends back
+    ps = check("hvd.allreduce", process_set)
+    with own_checks(ps.group):
+        check_contiguous("hvd.allreduce", tensor)
+        wire_code = dtype_code(wire_dtype(tensor.dtype))  # what a rank inside hvd.join() sends back
     fields = (int(reduce_op), wire_code, tensor.numel(), int(tensor.device.type == "cuda"))
     header = start_round(Kind.ALLREDUCE, describe("hvd.allreduce", tensor, name, op=reduce_op.name), fields, ps.group)
     # detached: the input may be a parameter (a leaf that requires grad), which autograd forbids changing in place
@@ -152,7 +156,7 @@ def allreduce_async_(
     def finish() -> torch.Tensor:
         return copy_back(tensor, finish_reduction(buffer, reduce_op, ps.size(), postscale_factor))
 
-    return Handle([header, work], finish)
+    return Handle([header.work, work], finish)
 
 
 def allreduce_async(

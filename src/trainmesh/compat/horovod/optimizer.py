@@ -23,7 +23,7 @@ from trainmesh.compat.horovod.compression import Compression, Compressor
 from trainmesh.compat.horovod.exchange import sparse_allreduce_async
 from trainmesh.compat.horovod.ops import resolve_op
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
-from trainmesh.compat.horovod.rounds import Kind, register_optimizer, start_round
+from trainmesh.compat.horovod.rounds import Kind, Round, register_optimizer, start_round
 
 TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -116,7 +116,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_delay = [self.backward_passes_per_step] * n  # backward passes left before each all-reduce
         self._hvd_sent: list[tuple[torch.Tensor, Any, dist.Work] | Callable[[], torch.Tensor] | None] = [None] * n
         self._hvd_next = 0  # the first parameter (in the fixed order) whose all-reduce has not started
-        self._hvd_header: dist.Work | None = None
+        self._hvd_header: Round | None = None
         self._hvd_round_open = False
 
     def _hvd_on_grad(self, param: torch.Tensor) -> None:
@@ -143,7 +143,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             param.grad = torch.zeros_like(param)
         grad = param.grad
         if grad.is_sparse:
-            if not self._hvd_sparse_as_dense:  # Horovod's sparse path: indices and values gathered, not summed
+            # Horovod's sparse path: indices and values gathered, not summed. A rank inside hvd.join() answers
+            # with one dense all-reduce of zeros per parameter (_hvd_shadow), so while one has joined the
+            # gradient goes dense, as with sparse_as_dense: the same sum, and still a sparse gradient after.
+            assert self._hvd_header is not None
+            if not self._hvd_sparse_as_dense and not self._hvd_header.someone_joined():
                 name = self._hvd_names.get(param)
                 self._hvd_sent[i] = sparse_allreduce_async(grad, name, self._hvd_op, self._hvd_ps)
                 return

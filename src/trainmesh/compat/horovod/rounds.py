@@ -7,8 +7,9 @@ Details: docs/internals.md#compathorovodroundspy
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 
 import torch
@@ -16,9 +17,11 @@ import torch.distributed as dist
 
 from trainmesh.compat.horovod.agreement import Call, agreed, each_rank, refuse
 from trainmesh.compat.horovod.basics import ReduceOp, checks_collectives, rank, size
+from trainmesh.compat.horovod.errors import HorovodInternalError
 
-HEADER_LEN = 10  # [active ranks, kind, 6 fields, sum of fingerprints, sum of their squares]
-FIELDS = slice(1, 8)
+HEADER_LEN = 10  # [active ranks, kind, 5 fields, ranks whose own checks failed, sum of fingerprints, of squares]
+FIELDS = slice(1, 7)
+FAILED = 7
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -77,26 +80,68 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
 
 
-def start_round(
-    kind: Kind, call: Call, fields: Sequence[int] = (), group: dist.ProcessGroup | None = None
-) -> dist.Work | None:
-    """Send this active rank's header (`call`: what it is about to run, for the ranks' agreement). With the check
-    on, wait for the sum and raise HorovodInternalError on every rank when the ranks disagree; OTHER rounds also
-    wait, and raise RankJoinedError when a rank has joined. Otherwise return the header's pending work (None on one
-    rank). `group`: a process set's (hvd.join() answers only the global set's rounds)."""
-    members = dist.get_world_size(group) if group is not None else size()
-    if members == 1:
-        return None
-    fingerprint = call.fingerprint() if checks_collectives() else 0
+class Round:
+    """A started round: its header all-reduce, perhaps still in flight (all-reduces with the check off)."""
+
+    def __init__(self, header: torch.Tensor | None = None, work: dist.Work | None = None, members: int = 1) -> None:
+        self.header, self.work, self.members = header, work, members  # header None: a one-rank group, no round
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def someone_joined(self) -> bool:
+        """Whether a rank of the group is inside hvd.join() (waits for the header)."""
+        self.wait()
+        return self.header is not None and int(self.header[0]) < self.members
+
+
+def _header(kind: Kind, fingerprint: int, fields: Sequence[int] = (), failed: bool = False) -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0], header[1] = 1, int(kind)
+    header[0], header[1], header[FAILED] = 1, int(kind), int(failed)
     header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
     header[-2], header[-1] = fingerprint, fingerprint * fingerprint
-    header = header.to(control_device())
+    return header.to(control_device())
+
+
+def _members(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else size()
+
+
+@contextlib.contextmanager
+def own_checks(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run this rank's checks of its own arguments (before the round): when one raises ValueError, the round's
+    header tells the other ranks, which raise HorovodInternalError, before it is re-raised here. Raising on this
+    rank alone would leave the others waiting in (or pairing with this rank's next call) a collective that this
+    rank never runs. With TRAINMESH_HOROVOD_CHECK=0 the other ranks do not wait for an all-reduce's header."""
+    try:
+        yield
+    except ValueError:
+        if _members(group) > 1:
+            dist.all_reduce(_header(Kind.OTHER, 0, failed=True), group=group)
+        raise
+
+
+def start_round(kind: Kind, call: Call, fields: Sequence[int] = (), group: dist.ProcessGroup | None = None) -> Round:
+    """Send this active rank's header (`call`: what it is about to run, for the ranks' agreement). With the check
+    on, wait for the sum and raise HorovodInternalError on every rank when the ranks disagree (or a rank's own
+    checks failed: own_checks); OTHER rounds also wait, and raise RankJoinedError when a rank has joined.
+    Otherwise the header may still be in flight. `group`: a process set's (hvd.join() answers only the global
+    set's rounds)."""
+    members = _members(group)
+    if members == 1:
+        return Round()
+    header = _header(kind, call.fingerprint() if checks_collectives() else 0, fields)
     if kind != Kind.OTHER and not checks_collectives():
-        return dist.all_reduce(header, async_op=True, group=group)
+        return Round(header, dist.all_reduce(header, async_op=True, group=group), members)
     dist.all_reduce(header, group=group)
-    active, *_, total, squares = header.tolist()
+    active, *_, failed, total, squares = header.tolist()
+    if failed:  # checked first: the failed ranks sent no fingerprint
+        raise HorovodInternalError(
+            f"{call.what}: the arguments were refused on {failed} of {members} ranks (their ValueError says why), "
+            "so none ran"
+        )
     if not agreed(active, total, squares):
         raise refuse(call, group)
     if kind == Kind.OTHER and active < members:
@@ -105,7 +150,7 @@ def start_round(
             "take part in all-reduces (hvd.allreduce, DistributedOptimizer steps), as under Horovod. Fix: call it "
             "after hvd.join() has returned on every rank."
         )
-    return None
+    return Round(header, None, members)
 
 
 def join(device: int = -1) -> int:
@@ -125,6 +170,8 @@ def join(device: int = -1) -> int:
             break
         sat_out += 1
         values = header.tolist()
+        if values[FAILED]:  # an active rank's own checks failed: no collective follows
+            continue
         if not agreed(active, values[-2], values[-1]):
             each_rank(None)  # the active ranks disagree: tell them this rank is joined; they raise
             continue

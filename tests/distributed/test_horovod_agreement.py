@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import trainmesh.horovod as hvd
 from trainmesh.compat.horovod.ops import Handle, finish_reduction
@@ -192,7 +193,9 @@ def _checks(rank: int) -> dict[str, Any]:
         opt.step()
         steps.append(layer.weight.item())
     r["set_optimizer"] = steps
+    subgroup = alone.group
     r["set_removed"] = [hvd.remove_process_set(alone), hvd.remove_process_set(alone)]
+    r["set_destroyed"] = _error(lambda: dist.get_process_group_ranks(subgroup))  # torch forgot the subgroup
     r["set_refused"] = _error(lambda: hvd.allreduce(torch.ones(1), process_set=alone))
 
     # sparse: indices and values gathered; Sum adds the duplicates once made dense
@@ -312,7 +315,7 @@ def test_process_sets(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert torch.equal(r["set_both"], torch.tensor([0.0, 1.0]))
         assert r["set_who"] == [1, 0, [0, 1], 2] and r["set_removed"] == [True, False]
-        assert "is not registered" in r["set_refused"]
+        assert "is not registered" in r["set_refused"] and r["set_destroyed"].startswith("KeyError")
 
 
 def test_sparse_allreduce_init_after_shutdown_and_the_switch(ranks: list[dict[str, Any]]) -> None:

@@ -65,12 +65,17 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a set added by add_process_set(); False for the global set or one not registered. Its torch
-    subgroup lives on until exit (destroying a subgroup is not a collective every backend supports)."""
+    """Unregister a set added by add_process_set(); False for the global set or one not registered. Every rank
+    calls it, in the same order (Horovod's rule), so every rank destroys the set's torch subgroup together: a
+    job that adds and removes sets in a loop would otherwise keep each one's connections until exit."""
     if process_set.process_set_id is None or _registered.get(process_set.process_set_id) is not process_set:
         return False
     del _registered[process_set.process_set_id]
     process_set.process_set_id = None
+    if process_set.group is not None and dist.is_initialized():
+        # The set keeps the destroyed group (not None, the global set's): an optimizer still holding the set fails
+        # rather than reducing over every rank. A non-member holds NON_GROUP_MEMBER, for which torch does nothing.
+        dist.destroy_process_group(process_set.group)
     return True
 
 

@@ -115,6 +115,8 @@ def _checks(rank: int) -> dict[str, Any]:
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     r["classes"] = [isinstance(opt, torch.optim.SGD), isinstance(opt, torch.optim.Optimizer), type(opt).__name__]
     r["shares_groups"] = opt.param_groups[0] is base.param_groups[0]
+    unnamed = hvd.DistributedOptimizer(torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1))
+    r["names"] = sorted(set(unnamed._parameter_names.values())), len(list(model.parameters()))
     _loss(model, rank, 0).backward()
     r["started_in_backward"] = opt._hvd_next  # all-reduces started by the hooks, before synchronize()
     r["zero_grad_race"] = _raised(opt.zero_grad)
@@ -241,6 +243,9 @@ def test_a_parameter_without_gradient_on_one_rank_takes_part_with_zeros(ranks: l
 def test_the_wrapper_is_the_optimizers_class_and_refuses_what_horovod_refuses(ranks: list[dict[str, Any]]) -> None:
     r = ranks[0]
     assert r["classes"] == [True, True, "SGD"] and r["shares_groups"] and r["state_dict"]
+    names, count = r["names"]  # Horovod's _parameter_names: one name per parameter, the same on every rank
+    assert all(other["names"] == r["names"] for other in ranks)
+    assert len(names) == count and names == [f"allreduce.noname.{i}" for i in range(count)]
     assert r["started_in_backward"] == 4  # every parameter's all-reduce overlapped backward
     assert r["zero_grad_race"].startswith("AssertionError: optimizer.zero_grad() was called after loss.backward()")
     assert r["too_many_passes"].startswith("AssertionError: Gradients were computed more than backward_passes_per_step")

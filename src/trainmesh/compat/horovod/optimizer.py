@@ -79,6 +79,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     backward_passes_per_step: int
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's own attribute (scripts and its tests read it): each parameter's all-reduce name."""
+        return self._hvd_names
+
     def _hvd_setup(
         self,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,

@@ -1,5 +1,5 @@
 """The planner against the dry run at 8, 64 and 512 ranks: memory per rank by component for every layout
-`trainmesh plan` enumerates, predicted (`trainmesh.apps.plan.estimate.stage_memory`) and measured on fake tensors and
+`trainmesh plan` enumerates, predicted (`trainmesh.apps.plan.rank_memory.stage_memory`) and measured on fake tensors and
 a fake process group (`trainmesh.apps.plan.dryrun`, what `trainmesh check --dry-run` runs). Nothing here needs a GPU
 or a cluster.
 

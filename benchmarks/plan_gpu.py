@@ -32,8 +32,9 @@ from plan_measure import Case, measure_layout
 from plan_validate import compare, error
 from trainmesh.apps.plan.calibrate import calibrate
 from trainmesh.apps.plan.cluster import PRESETS, Cluster, load_calibration
-from trainmesh.apps.plan.estimate import PrecisionBytes, estimate_layout
+from trainmesh.apps.plan.estimate import estimate_layout
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.job.spec import load_config, resolve
 

@@ -6,7 +6,7 @@ after calibration.
 2. Measure every layout (benchmarks/plan_measure.py: the real trainmesh set-up and loop step on gloo processes,
    per rank: params, grads, optimizer state, the live peak of saved activations, FSDP's gathered parameters, the
    median step time), or read a saved measurement (`--measured`).
-3. Predict each rank from the same resolved job (`Candidate.from_job`, `estimate.stage_memory` for the rank's
+3. Predict each rank from the same resolved job (`Candidate.from_job`, `rank_memory.stage_memory` for the rank's
    pipeline stage, `estimate.step_time`) and compare. Memory is compared for every layout (4 and 8 processes
    are oversubscribed on a 2-core machine, which changes no byte); step time only where every process has a core
    of its own (the calibration's devices per node).
@@ -29,9 +29,11 @@ from typing import Any
 from plan_measure import CASES, case_overrides, measure_layout
 from trainmesh.apps.plan.calibrate import calibrate, reference_step_seconds
 from trainmesh.apps.plan.cluster import Cluster, load_calibration
-from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory, step_time
+from trainmesh.apps.plan.estimate import step_time
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.rank_memory import stage_memory
 from trainmesh.job.spec import load_config, resolve
 from trainmesh.metrics.sinks import write_figure
 

@@ -13,9 +13,10 @@ import torch
 
 from trainmesh.apps.plan.calibrate import SIZES, _cluster, _fit, _fit_compute, _fit_fsdp, _fit_tensor_parallel
 from trainmesh.apps.plan.cluster import PRESETS, Link, get_cluster, load_calibration, save_calibration
-from trainmesh.apps.plan.estimate import PrecisionBytes, pieces_in_flight
 from trainmesh.apps.plan.layouts import Candidate, candidates
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.rank_memory import pieces_in_flight
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
 from trainmesh.core.machine import host_memory
 from trainmesh.job.spec import load_config, resolve

@@ -13,15 +13,11 @@ import math
 import pytest
 
 from trainmesh.apps.plan.cluster import PRESETS, Cluster, Cost, Link
-from trainmesh.apps.plan.estimate import (
-    Estimate,
-    PrecisionBytes,
-    interleaved_forwards,
-    pieces_in_flight,
-    stage_memory,
-)
+from trainmesh.apps.plan.estimate import Estimate
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
+from trainmesh.apps.plan.rank_memory import interleaved_forwards, pieces_in_flight, stage_memory
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts, rank
 from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt.model import GPTConfig

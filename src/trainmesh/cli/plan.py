@@ -24,7 +24,8 @@ from trainmesh.apps.plan.cluster import (
     read_cluster,
     size_unit,
 )
-from trainmesh.apps.plan.estimate import MEMORY_PARTS, TIME_PARTS, Estimate
+from trainmesh.apps.plan.estimate import TIME_PARTS, Estimate
+from trainmesh.apps.plan.rank_memory import MEMORY_PARTS
 from trainmesh.apps.plan.search import Workload, mfu, plan_layouts
 from trainmesh.config import Config, ConfigError
 from trainmesh.job.spec import load_config

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from trainmesh.apps.plan.cluster import COLLECTIVES, PRESETS, Cluster, Cost, Link, save_calibration
-from trainmesh.apps.plan.estimate import OPTIMIZER_BYTES_PER_PARAM, PrecisionBytes
+from trainmesh.apps.plan.estimate import OPTIMIZER_BYTES_PER_PARAM
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.search import Workload, estimate
 from trainmesh.config import Config

@@ -11,8 +11,9 @@ import dataclasses
 import torch
 
 from trainmesh.apps.plan.cluster import PRESETS, Cluster, GiB, size_unit
-from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, estimate_layout
+from trainmesh.apps.plan.estimate import Estimate, estimate_layout
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.config.schema import FSDPConfig
 from trainmesh.core.machine import host_memory

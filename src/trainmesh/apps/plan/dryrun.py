@@ -4,7 +4,7 @@ of each pipeline stage it builds what a trainmesh run builds (`job.runtime()`, t
 (fake.py), runs one optimizer step through the strategy (its micro-steps' forward and backward, clipping, the
 optimizer step), and reports what PyTorch's memory trackers saw: the most bytes of each component held at any
 moment, and the step's peak. Nothing of the real size is allocated; the planner's prediction for the same rank
-(estimate.stage_memory) stands beside it.
+(rank_memory.stage_memory) stands beside it.
 
 Details: docs/internals.md#appsplandryrunpy
 """
@@ -23,11 +23,12 @@ from torch import nn
 
 from trainmesh.apps.plan.check import where_from
 from trainmesh.apps.plan.cluster import Cluster, GiB, size_unit
-from trainmesh.apps.plan.estimate import PrecisionBytes, stage_memory
 from trainmesh.apps.plan.fake import LiveBytes, fake_rank, pipeline_buffers, quiet, static_pipeline
 from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.probes import GatheredParams, SavedActivations, optimizer_bytes, storage_bytes
+from trainmesh.apps.plan.rank_memory import stage_memory
 from trainmesh.config import Config, ConfigError
 from trainmesh.core.env import DistEnv
 from trainmesh.core.machine import host_memory
@@ -39,7 +40,8 @@ from trainmesh.strategies.pipeline import PipelineStrategy
 from trainmesh.train.optim import build_optimizer
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries")
-"""The planner's memory parts (estimate.MEMORY_PARTS) less its constant overhead, which nothing in a step allocates."""
+"""The planner's memory parts (rank_memory.MEMORY_PARTS) less its constant overhead, which nothing in a step
+allocates."""
 TOLERANCE = 0.05
 """The planner and the dry run agree on a component when they differ by at most this fraction of the larger."""
 RUN_AS = {"16-mixed": "bf16-mixed", "fp8-mixed": "bf16-mixed"}

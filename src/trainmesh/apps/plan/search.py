@@ -10,8 +10,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from trainmesh.apps.plan.cluster import Cluster
-from trainmesh.apps.plan.estimate import Estimate, PrecisionBytes, estimate_layout
+from trainmesh.apps.plan.estimate import Estimate, estimate_layout
 from trainmesh.apps.plan.layouts import Candidate, candidates
+from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.config import Config
 from trainmesh.recipes.gpt.model import GPTConfig

@@ -1,0 +1,414 @@
+"""Memory of one rank of one layout, by component: what a rank of each pipeline stage holds at its step's peak (the
+model state, activations, FSDP's gathered parameters, the temporaries of the peak's moment), on the device and in
+host memory. The time of a step is estimate.py's.
+
+Details: docs/internals.md#appsplanrank_memorypy
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmesh.apps.plan.activations import INT64, GPTActivations, gpt_activations
+from trainmesh.apps.plan.cluster import Cluster
+from trainmesh.apps.plan.layouts import Candidate
+from trainmesh.apps.plan.memory import PrecisionBytes, StateBytes, element_bytes
+from trainmesh.apps.plan.model import ModelSpec, Param
+from trainmesh.strategies import SCHEDULES
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries", "overhead")
+
+
+def stage_memory(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, cluster: Cluster, accum: int, stage: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes by MEMORY_PARTS on a rank of pipeline stage `stage`, and those it keeps in host memory instead (CPU
+    offload: params, optimizer, and the gradients once reduced)."""
+    shape = _StageShape.of(spec, cand, precision, stage)
+    state = _state(shape, cand, precision, accum)
+    units = _fsdp_units(shape, cand, precision)
+    in_block = _block_backward(spec, shape, cand, precision)
+    temporaries = _step_moments(shape, cand, precision, accum, state, units, in_block)
+    if cand.pp > 1:
+        temporaries = _pipeline_moments(spec, shape, cand, precision, accum, state, units, in_block, temporaries)
+    parts = {
+        "params": state.params,
+        "grads": state.grads,
+        "optimizer": state.optimizer,
+        "activations": shape.activations,
+        "gathered": units.gathered,
+        "temporaries": temporaries,
+        "overhead": cluster.overhead,
+    }
+    return parts, state.host
+
+
+@dataclass(frozen=True)
+class _StageShape:
+    """What the parts of a stage's memory share, for one (spec, cand, precision, stage)."""
+
+    stage: int
+    held: list[Param]
+    fsdp: bool
+    shard: int
+    """Ranks each parameter is sharded over: FSDP's, else 1."""
+    in_pipeline: bool
+    """FSDP inside a pipeline's schedule."""
+    last: bool
+    blocks: int
+    checkpointed: int
+    """Of `blocks`: those under activation checkpointing."""
+    piece: int
+    """Samples in one micro-batch piece."""
+    in_flight: float
+    """Pieces whose activations the stage holds at once (pieces_in_flight)."""
+    stream: int
+    """Bytes per element of what a pipeline stage sends on: the residual stream, in the parameters' dtype under ddp
+    and single."""
+    logits: float
+    """A piece's logits in fp32 (on the last stage; else 0)."""
+    output: float
+    """A piece's output on the last stage: its logits in the compute dtype."""
+    kept: float
+    """A pipeline's last stage's pieces whose output it keeps (else 1)."""
+    cached: float
+    """Autocast's cached copies of checkpointed blocks' weights alive in a pipeline's backward (else 0)."""
+    activations: float
+    """The `activations` part (_stage_activations)."""
+    act: GPTActivations
+    """Per-piece activation figures."""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, stage: int) -> _StageShape:
+        """The shared quantities of a rank of stage `stage`."""
+        fsdp = cand.strategy == "fsdp"
+        activations, act = _stage_activations(spec, cand, precision, stage)
+        blocks = spec.blocks_of_stage(stage, cand.pp)
+        checkpointed = checkpointed_blocks(cand, blocks)
+        last = stage == cand.pp - 1
+        piece = cand.micro_batch // cand.microbatches
+        logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
+        in_flight = pieces_in_flight(cand, stage)
+        # torch's pipeline stage keeps each piece's output, the logits in the compute dtype, until that piece's
+        # backward ends: the last stage's pieces in flight (all of them under GPipe) at every moment; the current
+        # one's output is the compute-dtype copy already counted (or, under 32-true, the logits themselves)
+        output, kept = logits / 4 * precision.activation, 1.0
+        if cand.pp > 1 and last:
+            kept = interleaved_forwards(cand, stage)[-1] if cand.schedule == "interleaved_1f1b" else in_flight
+        # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks'
+        # weights are then alive (elsewhere autocast has exited and freed them)
+        cached = checkpointed * act.block_weight_copy if cand.pp > 1 else 0.0
+        return cls(
+            stage=stage,
+            held=spec.stage_params(stage, cand.pp),
+            fsdp=fsdp,
+            shard=cand.dp_shard if fsdp else 1,
+            in_pipeline=fsdp and cand.pp > 1,
+            last=last,
+            blocks=blocks,
+            checkpointed=checkpointed,
+            piece=piece,
+            in_flight=in_flight,
+            stream=element_bytes(precision.activations_under(cand.strategy)).param,
+            logits=logits,
+            output=output,
+            kept=kept,
+            cached=cached,
+            activations=activations,
+            act=act,
+        )
+
+
+@dataclass(frozen=True)
+class _State:
+    """A stage's model state: its parts' bytes on the device, what CPU offload keeps in host memory instead (`host`),
+    whether FSDP's gradients accumulate unsharded (in `grads`), the stage's gradients unsharded in fp32
+    (`whole_grads`), and the rows beyond this rank's of an embedding gradient that comes back whole."""
+
+    params: float
+    grads: float
+    optimizer: float
+    host: dict[str, float]
+    unsharded_grads: bool
+    whole_grads: float
+    whole_embedding: float
+
+
+def _state(shape: _StageShape, cand: Candidate, precision: PrecisionBytes, accum: int) -> _State:
+    """The `params`, `grads` and `optimizer` parts, and what CPU offload moves to host memory."""
+    held, shard = shape.held, shape.shard
+    state = StateBytes.adamw(precision.name)  # per element of each parameter
+    params = param_bytes(held, cand.tp, shard, state.weights)
+    optimizer = param_bytes(held, cand.tp, shard, state.optimizer) + 4 * len(held)  # and a 4-byte step per tensor
+    # FSDP keeps gradients unsharded while they accumulate over the micro-steps (no_sync; unless it reduce-scatters
+    # every micro-step). A pipeline's schedule reduce-scatters at its end, every micro-step, and keeps them unsharded
+    # over its pieces (torch's PipelineStage defers gradient sync to the schedule's end): `temporaries`
+    unsharded_grads = shape.fsdp and accum > 1 and not cand.reduce_every_microstep and not shape.in_pipeline
+    # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
+    whole_grads = param_bytes(held, cand.tp, 1, 4)
+    grads = whole_grads if unsharded_grads else param_bytes(held, cand.tp, shard, state.grads)
+    if cand.strategy == "ddp" and accum > 1 and cand.pp == 1:  # DDP's buckets, allocated once, beside the gradients
+        grads *= 2  # of the micro-steps before the last (zero_grad(set_to_none) leaves them to autograd; the dry run
+        # found this). A pipeline's micro-steps all synchronise: its pieces' own gradients are in the temporaries
+    # a vocabulary-parallel embedding's gradient comes back whole when no head on the stage shares the weight: held
+    # so (the pipeline's clipping takes this rank's rows), or under fsdp, in its fp32, until it is reduce-scattered
+    # (temporaries): the rest of the vocabulary's rows, beyond this rank's
+    first = shape.stage == 0
+    embedding = [p for p in held if p.name == "wte.weight"] if cand.pp > 1 and cand.tp > 1 and first else []
+    grad_bytes = 4 if shape.fsdp else state.grads
+    whole_embedding = param_bytes(embedding, 1, 1, grad_bytes) - param_bytes(embedding, cand.tp, 1, grad_bytes)
+    grads += 0.0 if shape.fsdp else whole_embedding
+    host: dict[str, float] = {}
+    if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
+        host = {"params": params, "grads": param_bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
+        params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads else 0.0
+    return _State(params, grads, optimizer, host, unsharded_grads, whole_grads, whole_embedding)
+
+
+@dataclass(frozen=True)
+class _FsdpUnits:
+    """Bytes of FSDP's gathered parameters: the root unit (embeddings, final norm, head: gathered through forward and
+    backward) and the largest block's (both 0 without FSDP), the whole stage, and the `gathered` part (FSDP grad-op
+    keeps every unit gathered from forward to backward)."""
+
+    root: float
+    block: float
+    whole: float
+    gathered: float
+
+
+def _fsdp_units(shape: _StageShape, cand: Candidate, precision: PrecisionBytes) -> _FsdpUnits:
+    """The sizes of FSDP's gathered units on the stage, in the gathered dtype."""
+    held, shard = shape.held, shape.shard
+
+    def gathered_bytes(params: list[Param]) -> float:
+        # FSDP gathers every rank's shard, each padded to the largest (dim 0 rounded up to a multiple of the ranks)
+        return shard * param_bytes(params, cand.tp, shard, precision.gather)
+
+    whole = gathered_bytes(held)
+    gathered = whole if cand.kind == "fsdp-grad-op" else 0.0
+    root = block = 0.0
+    if shape.fsdp:
+        root = gathered_bytes([p for p in held if p.block is None])
+        in_blocks = {p.block for p in held if p.block is not None}
+        block = max((gathered_bytes([p for p in held if p.block == b]) for b in in_blocks), default=0.0)
+    return _FsdpUnits(root, block, whole, gathered)
+
+
+def _block_backward(spec: ModelSpec, shape: _StageShape, cand: Candidate, precision: PrecisionBytes) -> float:
+    """Bytes a block's backward itself holds beside the parts (without FSDP's units): with checkpointing its
+    recomputed activations, and in a pipeline autocast's cached weight copies and a block's gradients."""
+    in_block = (shape.act.recompute_peak if shape.checkpointed else 0.0) + shape.cached
+    if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
+        # matmul input's, in the compute dtype, and the stream's)
+        tokens, c, compute, stream = shape.piece * spec.seq, spec.n_embd, precision.activation, shape.stream
+        in_block += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+        in_block += shape.kept * shape.output if shape.last else 0.0
+    return in_block
+
+
+def _step_moments(
+    shape: _StageShape,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    accum: int,
+    state: _State,
+    units: _FsdpUnits,
+    in_block: float,
+) -> float:
+    """The `temporaries` part without a pipeline (with one, what _pipeline_moments adds to): bytes the step's peak
+    holds beyond the other parts, at the largest of its three moments."""
+    # The peak is one of three moments (found with the dry run, dryrun.py), each on top of what the other parts hold.
+    # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
+    # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
+    # backward: the fp32 logits' gradient twice, nll_loss's and log_softmax's. The last block's backward: under fsdp
+    # the units it gathers and their gradients before they are reduced, with checkpointing its recomputed
+    # activations (on top of nearly all saved activations still). At all three, a step's first gradients do not
+    # exist yet unless earlier micro-steps or 1F1B pieces made some, or DDP's buckets (allocated once) hold them.
+    logits, output, kept, last = shape.logits, shape.output, shape.kept, shape.last
+    compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
+    checkpointed_copies = shape.checkpointed * shape.act.block_weight_copy
+    loss_forward = logits + compute_copy + (kept - 1) * output + checkpointed_copies if last else 0.0
+    # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
+    loss_backward = 2 * logits + (kept * output + shape.cached if cand.pp > 1 and last else 0.0)
+    blocks_backward = _last_block_backward(shape, state, units, in_block)
+    no_grads_yet = state.grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
+    temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
+    return max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
+
+
+def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, in_block: float) -> float:
+    """Bytes the moment of the last block's backward holds beside the parts: what the block's backward holds
+    (`in_block`) and under FSDP the units it gathers and their gradients."""
+    if not shape.fsdp:
+        return in_block
+    # FSDP's root unit and the block computing (held in `gathered` already under grad-op; the block that backward
+    # prefetches is not there yet at the peak, the dry run finds, but with checkpointing the recomputed forward's
+    # prefetch is), and the gradients of the root and the block, in the gathered dtype (FSDP's param_dtype) before
+    # they are reduced (while they accumulate unsharded, they are in `grads` already)
+    root, block, gathered = units.root, units.block, units.gathered
+    blocks_backward = in_block
+    if not shape.in_pipeline:
+        units_held = root + (2 if shape.checkpointed else 1) * block  # a recomputed forward prefetches the next block
+        blocks_backward += 0.0 if gathered else units_held
+        blocks_backward += 0.0 if state.unsharded_grads else root + block
+    elif not gathered:  # a schedule regathers units for each piece's backward: the root and two blocks during
+        # a block's (three when a recomputed forward prefetches another of the stage's), or a unit twice (its
+        # all-gather buffer and the parameters) as it is copied out
+        during = root + (3 if shape.checkpointed and shape.blocks > 1 else 2) * block
+        blocks_backward = max(blocks_backward + during, 2 * (root + block))
+    return blocks_backward
+
+
+def _pipeline_moments(
+    spec: ModelSpec,
+    shape: _StageShape,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    accum: int,
+    state: _State,
+    units: _FsdpUnits,
+    in_block: float,
+    temporaries: float,
+) -> float:
+    """The `temporaries` part of a pipeline stage: the largest of the step's moments (`temporaries`, _step_moments')
+    with the pieces' gradients beside it, and the ends of a piece's backward; plus what its schedule holds all
+    through."""
+    act, activations, in_flight, last = shape.act, shape.activations, shape.in_flight, shape.last
+    copies = (shape.blocks - shape.checkpointed) * act.block_weight_copy + (act.head_weight_copy if last else 0.0)
+    per_piece = (activations - copies) / in_flight  # autocast's weight copies are the step's, not a piece's
+    later = max(0.0, min(in_flight - 1, cand.microbatches - 2))  # pieces ahead at the second piece's end
+    # the pieces' gradients exist once the first piece's backward is done: inside a later piece, beside the
+    # activations of all but that first piece (and of those no forward is left to replace)
+    freed = (in_flight - min(in_flight, cand.microbatches - 1)) * per_piece
+    piece_grads = _pieces_gradients(cand, state.grads, state.whole_grads, accum)
+    moments = [temporaries + max(0.0, piece_grads - freed)]
+    # The end of a piece's backward, its gradients made: the first piece's (the most pieces ahead; under FSDP,
+    # which casts each piece's embedding gradient to its fp32 one), or the second's (the fewest behind it of the
+    # most ahead; DDP adds its embedding gradient to the first piece's there)
+    ending = _piece_end(shape, cand, precision, units, in_block)
+    ahead = [later] + ([in_flight - 1] if shape.fsdp else [])  # second piece's end; the first's under FSDP
+    moments += [ending + pieces * per_piece - activations + piece_grads for pieces in ahead]
+    out = max(moments)
+    out += _schedule_memory(spec, cand, shape.stage, shape.stream)
+    out += state.whole_embedding if shape.fsdp else 0.0
+    return out
+
+
+def _piece_end(
+    shape: _StageShape, cand: Candidate, precision: PrecisionBytes, units: _FsdpUnits, in_block: float
+) -> float:
+    """Bytes the end of a piece's backward holds beside the parts and the activations of the pieces ahead."""
+    held, act, last = shape.held, shape.act, shape.last
+    # a piece's last new gradient, before it is added to the earlier pieces': the embedding's (whole on the first
+    # stage), the head's on the last, a block's weight's on the others; beside autocast's cached weight copies and
+    # their gradients, and on the last stage its output, the logits
+    new_grad = [p for p in held if p.name == "wte.weight"] or sorted(held, key=lambda p: math.prod(p.shape))[-1:]
+    ending = param_bytes(new_grad, 1 if shape.stage == 0 else cand.tp, 1, precision.gather if shape.fsdp else 4)
+    ending += 2.0 * (shape.blocks * act.block_weight_copy + (act.head_weight_copy if last else 0))
+    ending += shape.output if last else 0.0
+    if shape.in_pipeline and not units.gathered:  # torch's schedule turns FSDP's resharding after backward off
+        # until the last piece: each unit stays gathered until the next forward passes it, so by a piece's last
+        # block's backward the stage's whole parameters are, beside what that backward holds and its block's gradient
+        ending = units.whole + max(in_block + units.block, ending)
+    return ending
+
+
+def _schedule_memory(spec: ModelSpec, cand: Candidate, stage: int, stream: float) -> float:
+    """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
+    receive buffers, one per piece and direction for each of the rank's stages (two or more under interleaved and V
+    schedules), kept from the first step on; on the first stage, the outputs of its other pieces in flight (sent on
+    as they are)."""
+    _, per_rank, shape = SCHEDULES[cand.schedule]
+    first = stage == 0  # this rank holds the pipeline's first stage (no forward input to receive) and its last
+    last = stage == (0 if shape == "v" else cand.pp - 1)  # (no gradient to receive): a V puts it back on rank 0
+    tokens = cand.micro_batch // cand.microbatches * spec.seq
+    sent = tokens * spec.n_embd * stream  # a piece's residual stream
+    out = cand.microbatches * sent * (2 * per_rank - first - last)
+    if first:
+        out += sent * (pieces_in_flight(cand, stage) - 1)
+    return out
+
+
+def _pieces_gradients(cand: Candidate, grads: float, whole_grads: float, accum: int) -> float:
+    """Gradients a pipeline stage holds beside the parts once a piece's backward is done: DDP's own gradients of the
+    pieces before the last (accumulated under no_sync) beside its buckets; FSDP's, whole until the schedule ends
+    (beside the sharded ones that earlier micro-steps reduced, under accumulation)."""
+    out = grads if cand.kind == "ddp" and cand.microbatches > 1 else 0.0
+    if cand.strategy == "fsdp":
+        out += max(0.0, whole_grads - (grads if accum == 1 else 0.0))
+    return out
+
+
+def _stage_activations(
+    spec: ModelSpec, cand: Candidate, precision: PrecisionBytes, stage: int
+) -> tuple[float, GPTActivations]:
+    """Activation bytes a rank of `stage` holds at most (its pieces in flight), and the per-piece figures."""
+    piece = cand.micro_batch // cand.microbatches
+    act = gpt_activations(
+        spec.n_layer,
+        spec.n_head,
+        spec.n_embd,
+        spec.vocab,
+        spec.seq,
+        piece,
+        precision=precision.activations_under(cand.strategy),
+        checkpoint_every=cand.checkpoint_every,
+        tp=cand.tp,
+    )
+    blocks = spec.blocks_of_stage(stage, cand.pp)
+    plain = blocks - checkpointed_blocks(cand, blocks)
+    last, first = stage == cand.pp - 1, stage == 0
+    in_blocks = plain * act.per_block + (blocks - plain) * act.checkpointed_block
+    ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
+    ends = (ids if first else 0) + (act.outside - ids if last else 0)
+    # autocast's weight copies are cached once per step, not once per piece in flight
+    copies = plain * act.block_weight_copy + (act.head_weight_copy if last else 0)
+    in_flight = pieces_in_flight(cand, stage)
+    if cand.schedule != "interleaved_1f1b" or cand.pp == 1:
+        return float((in_blocks + ends - copies) * in_flight + copies), act
+    # the pipeline's first and last stages are a rank's first and last local stages, with their own pieces in flight
+    forwards, head_copy = interleaved_forwards(cand, stage), act.head_weight_copy if last else 0
+    ends = (ids * forwards[0] if first else 0) + ((act.outside - ids - head_copy) * forwards[-1] if last else 0)
+    return float((in_blocks - copies + head_copy) * in_flight + ends + copies), act
+
+
+def pieces_in_flight(cand: Candidate, stage: int) -> float:
+    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule (for a rank
+    with several stages, in pieces through all of its blocks)."""
+    m, p = cand.microbatches, cand.pp
+    if p == 1:
+        return 1
+    _, per_rank, _ = SCHEDULES[cand.schedule]
+    if cand.schedule in ("gpipe", "looped_bfs"):  # every forward before the first backward
+        return m
+    if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
+        return min(m, p - stage)
+    if cand.schedule == "interleaved_1f1b":
+        return sum(interleaved_forwards(cand, stage)) / per_rank
+    return min(m, p * (1 + (p - 1) / (p * per_rank)))
+
+
+def interleaved_forwards(cand: Candidate, stage: int) -> list[int]:
+    """Under torch's Interleaved1F1B, the forwards rank `stage` has run, by its local stage, when its first backward
+    starts: its warm-up, (stages per rank − 1) · r + 2 · (pp − 1 − rank) with r pieces a round (pp, or all m when
+    m < pp: torch's _get_warmup_ops), and one more unless that was all, the local stage changing every r."""
+    m, p = cand.microbatches, cand.pp
+    per_rank = SCHEDULES[cand.schedule][1]
+    per_round = m // max(1, m // p)
+    warm_up = min((per_rank - 1) * per_round + 2 * (p - 1 - stage), m * per_rank)
+    counts = [0] * per_rank
+    for k in range(warm_up + (warm_up < m * per_rank)):
+        counts[(k // per_round) % per_rank] += 1
+    return counts
+
+
+def checkpointed_blocks(cand: Candidate, blocks: int) -> int:
+    """Blocks of a stage under activation checkpointing: block i of the stage when i % k == 0."""
+    return math.ceil(blocks / cand.checkpoint_every) if cand.checkpoint_every else 0
+
+
+def param_bytes(params: list[Param], tp: int, shard: int, per_element: float) -> float:
+    """Bytes of `params` on the most loaded rank, tensor-parallel over `tp` and sharded over `shard` ranks."""
+    return float(sum(p.local_numel(tp, shard) for p in params) * per_element)

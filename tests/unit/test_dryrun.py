@@ -15,10 +15,13 @@ PARAMS = 124_475_904  # GPT-2 124M with the 50304 vocabulary (tied head)
 MiB = 2**20
 
 
-def _stages(world_size: int, *overrides: str) -> list[tuple[dict[str, float], dict[str, float]]]:
-    """(measured, predicted) bytes of one rank of each pipeline stage, each agreeing with the plan within 5%."""
+def _stages(
+    world_size: int, *overrides: str, only: list[int] | None = None
+) -> list[tuple[dict[str, float], dict[str, float]]]:
+    """(measured, predicted) bytes of one rank of each pipeline stage (or of the stages `only`), each agreeing with
+    the plan within 5%."""
     config = load_config(None, [*GPT2, "--train.global_batch_tokens=0", *overrides], "gpt")
-    run = dry_run(resolve(config, world_size))
+    run = dry_run(resolve(config, world_size), stages=only)
     out = []
     for comparison in compare(run, config, get_cluster("h100", max(1, world_size // 8), min(8, world_size))):
         assert not comparison.disagreements(), {
@@ -116,6 +119,25 @@ def test_a_pipeline_dry_runs_each_stage_and_agrees_with_the_plan(layout: str) ->
     last, _ = stages[1]
     if layout == "ddp":  # the second half of the blocks, the final norm and the tied head, whole, in fp32
         assert last["grads"] == last["params"]
+
+
+ONE_SEQUENCE_PIECES = {
+    "ddp-checkpointed": ["--parallel.strategy=ddp", "--parallel.activation_checkpointing=1"],
+    "fsdp": ["--parallel.strategy=fsdp"],
+    "fsdp-checkpointed": ["--parallel.strategy=fsdp", "--parallel.activation_checkpointing=1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(ONE_SEQUENCE_PIECES))
+def test_stages_of_one_and_two_blocks_with_one_sequence_pieces_agree_with_the_plan(layout: str) -> None:
+    """GPT-2's 12 blocks over 8 stages (1 and 2 blocks a stage), pieces of one sequence: where a block's backward
+    is the peak and its weights' gradients count. The dry run showed what the plan had missed: each weight's
+    gradient in the compute dtype as backward makes it; autocast's cached copies' gradients piling up over a
+    checkpointed piece's backward (their casts run last), while a recomputed forward makes no copies again; under
+    FSDP, a stage of one block gathers no second block to prefetch, and a block's end holds its gradients but no
+    longer its backward's temporaries."""
+    pieces = ["--parallel.pp=8", "--parallel.pipeline.microbatches=8", "--train.micro_batch=8"]
+    _stages(64, *pieces, "--train.global_batch=64", *ONE_SEQUENCE_PIECES[layout], only=[1, 2])
 
 
 def test_what_it_cannot_build_is_refused_naming_the_key() -> None:

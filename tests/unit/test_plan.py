@@ -16,7 +16,7 @@ from trainmesh.apps.plan.cluster import PRESETS, Link, get_cluster, load_calibra
 from trainmesh.apps.plan.layouts import Candidate, candidates
 from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
-from trainmesh.apps.plan.rank_memory import pieces_in_flight
+from trainmesh.apps.plan.schedules import pieces_in_flight
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts
 from trainmesh.core.machine import host_memory
 from trainmesh.job.spec import load_config, resolve

@@ -17,7 +17,8 @@ from trainmesh.apps.plan.estimate import Estimate
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
-from trainmesh.apps.plan.rank_memory import interleaved_forwards, pieces_in_flight, stage_memory
+from trainmesh.apps.plan.rank_memory import stage_memory
+from trainmesh.apps.plan.schedules import interleaved_forwards, pieces_in_flight
 from trainmesh.apps.plan.search import Workload, estimate, plan_layouts, rank
 from trainmesh.job.spec import load_config
 from trainmesh.recipes.gpt.model import GPTConfig
@@ -113,12 +114,14 @@ def test_pipeline_stages_hold_their_schedules_buffers_and_moments() -> None:
     s·h·4 = 2048 bytes. torch keeps a receive buffer per piece and direction: the first stage receives gradients
     (6 buffers), a middle one activations and gradients (12), the last activations (6). Stages without the loss peak
     in a block's backward, s·(4h + h)·4 = 10240 bytes (the MLP's hidden gradient, a matmul input's); the first also
-    keeps the outputs of its other pieces in flight (1F1B: 3 − 1). The last peaks in the larger of its block's
+    keeps the outputs of its other pieces in flight (1F1B: 3 − 1). Beside them, the gradient of the block's largest
+    weight as backward makes it, 4h·h·4 = 16384 bytes, before it is added to the earlier pieces'. The last peaks in
+    the larger of its block's
     backward, beside its piece's output (the logits, s·V·4 bytes, which torch's stage keeps until that backward
     ends), and the loss's, which holds the logits' fp32 gradient twice (nll_loss's and log_softmax's), 2·s·V·4 bytes
     (smaller here: V = 64). All as the dry run measures them."""
     spec, cand = _spec(n_layer=3), Candidate("single", 3, 1, 1, 1, 0, 6, 6)
-    stream, block, logits = 16 * 32 * 4, 16 * 5 * 32 * 4, 16 * 64 * 4
+    stream, block, logits = 16 * 32 * 4, 16 * 5 * 32 * 4 + 4 * 32 * 32 * 4, 16 * 64 * 4
     temporaries = [stage_memory(spec, cand, FP32, _cluster(), 1, stage)[0]["temporaries"] for stage in range(3)]
     assert 2 * logits < block + logits
     assert temporaries == [6 * stream + block + 2 * stream, 12 * stream + block, 6 * stream + block + logits]

@@ -15,7 +15,7 @@ from trainmesh.apps.plan.cluster import Cluster
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes, StateBytes, element_bytes
 from trainmesh.apps.plan.model import ModelSpec, Param
-from trainmesh.strategies import SCHEDULES
+from trainmesh.apps.plan.schedules import interleaved_forwards, pieces_in_flight, schedule_memory
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries", "overhead")
 
@@ -74,6 +74,9 @@ class _StageShape:
     """A pipeline's last stage's pieces whose output it keeps (else 1)."""
     cached: float
     """Autocast's cached copies of checkpointed blocks' weights alive in a pipeline's backward (else 0)."""
+    weight_grad: float
+    """In a pipeline, a block's largest weight's gradient as its backward makes it, in the compute dtype (FSDP's
+    gathered dtype, the same), before it joins the earlier pieces' (else 0: the `grads` part holds it)."""
     activations: float
     """The `activations` part (_stage_activations)."""
     act: GPTActivations
@@ -99,9 +102,12 @@ class _StageShape:
         # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks'
         # weights are then alive (elsewhere autocast has exited and freed them)
         cached = checkpointed * act.block_weight_copy if cand.pp > 1 else 0.0
+        held = spec.stage_params(stage, cand.pp)
+        largest = sorted([p for p in held if p.block is not None], key=lambda p: math.prod(p.shape))[-1:]
+        weight_grad = param_bytes(largest, cand.tp, 1, precision.activation) if cand.pp > 1 else 0.0
         return cls(
             stage=stage,
-            held=spec.stage_params(stage, cand.pp),
+            held=held,
             fsdp=fsdp,
             shard=cand.dp_shard if fsdp else 1,
             in_pipeline=fsdp and cand.pp > 1,
@@ -115,6 +121,7 @@ class _StageShape:
             output=output,
             kept=kept,
             cached=cached,
+            weight_grad=weight_grad,
             activations=activations,
             act=act,
         )
@@ -197,15 +204,36 @@ def _fsdp_units(shape: _StageShape, cand: Candidate, precision: PrecisionBytes) 
 
 
 def _block_backward(spec: ModelSpec, shape: _StageShape, cand: Candidate, precision: PrecisionBytes) -> float:
-    """Bytes a block's backward itself holds beside the parts (without FSDP's units): with checkpointing its
-    recomputed activations, and in a pipeline autocast's cached weight copies and a block's gradients."""
-    in_block = (shape.act.recompute_peak if shape.checkpointed else 0.0) + shape.cached
+    """Bytes a block's backward itself holds beside the parts (without FSDP's units and the gradient it is making,
+    `weight_grad`): with checkpointing its recomputed activations, and in a pipeline autocast's cached weight copies
+    and the gradients of the MLP's hidden state and of the stream, and of the cached copies."""
+    act = shape.act
+    # inside a pipeline's autocast, a recomputed forward finds its weights' copies cached: it makes none again
+    recomputed = act.recompute_peak - (act.block_weight_copy if cand.pp > 1 else 0)
+    in_block = (recomputed if shape.checkpointed else 0.0) + shape.cached
     if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
         # matmul input's, in the compute dtype, and the stream's)
         tokens, c, compute, stream = shape.piece * spec.seq, spec.n_embd, precision.activation, shape.stream
         in_block += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+        in_block += _copies_gradients(shape, cand)
         in_block += shape.kept * shape.output if shape.last else 0.0
     return in_block
+
+
+def _copies_gradients(shape: _StageShape, cand: Candidate) -> float:
+    """In a pipeline, the gradients of autocast's cached weight copies, in the compute dtype, that a piece's backward
+    holds until it ends (the copies were made in the first piece's forward, so autograd runs their casts last), less
+    what the blocks it has been through freed of that piece's activations: the most of it as a checkpointed block's
+    backward starts (found with the dry run: 7 blocks' copies' gradients beside a 7B stage's last block)."""
+    act, k = shape.act, cand.checkpoint_every
+    held = most = 0.0
+    for i in reversed(range(shape.blocks)):  # the stage's blocks in backward's order
+        checkpointed = bool(k) and i % k == 0
+        if checkpointed:
+            most = max(most, held)
+        freed = act.checkpointed_block if checkpointed else act.per_block - act.block_weight_copy
+        held += act.block_weight_copy - freed
+    return most
 
 
 def _step_moments(
@@ -242,21 +270,21 @@ def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, i
     """Bytes the moment of the last block's backward holds beside the parts: what the block's backward holds
     (`in_block`) and under FSDP the units it gathers and their gradients."""
     if not shape.fsdp:
-        return in_block
+        return in_block + shape.weight_grad
     # FSDP's root unit and the block computing (held in `gathered` already under grad-op; the block that backward
     # prefetches is not there yet at the peak, the dry run finds, but with checkpointing the recomputed forward's
     # prefetch is), and the gradients of the root and the block, in the gathered dtype (FSDP's param_dtype) before
     # they are reduced (while they accumulate unsharded, they are in `grads` already)
     root, block, gathered = units.root, units.block, units.gathered
-    blocks_backward = in_block
+    blocks_backward = in_block + shape.weight_grad
     if not shape.in_pipeline:
         units_held = root + (2 if shape.checkpointed else 1) * block  # a recomputed forward prefetches the next block
         blocks_backward += 0.0 if gathered else units_held
         blocks_backward += 0.0 if state.unsharded_grads else root + block
-    elif not gathered:  # a schedule regathers units for each piece's backward: the root and two blocks during
-        # a block's (three when a recomputed forward prefetches another of the stage's), or a unit twice (its
+    elif not gathered:  # a schedule regathers units for each piece's backward: the root and two of the stage's
+        # blocks during a block's (three when a recomputed forward prefetches another), or a unit twice (its
         # all-gather buffer and the parameters) as it is copied out
-        during = root + (3 if shape.checkpointed and shape.blocks > 1 else 2) * block
+        during = root + min(shape.blocks, 3 if shape.checkpointed else 2) * block
         blocks_backward = max(blocks_backward + during, 2 * (root + block))
     return blocks_backward
 
@@ -287,17 +315,17 @@ def _pipeline_moments(
     # The end of a piece's backward, its gradients made: the first piece's (the most pieces ahead; under FSDP,
     # which casts each piece's embedding gradient to its fp32 one), or the second's (the fewest behind it of the
     # most ahead; DDP adds its embedding gradient to the first piece's there)
-    ending = _piece_end(shape, cand, precision, units, in_block)
+    ending = _piece_end(spec, shape, cand, precision, units, in_block)
     ahead = [later] + ([in_flight - 1] if shape.fsdp else [])  # second piece's end; the first's under FSDP
     moments += [ending + pieces * per_piece - activations + piece_grads for pieces in ahead]
     out = max(moments)
-    out += _schedule_memory(spec, cand, shape.stage, shape.stream)
+    out += schedule_memory(spec, cand, shape.stage, shape.stream)
     out += state.whole_embedding if shape.fsdp else 0.0
     return out
 
 
 def _piece_end(
-    shape: _StageShape, cand: Candidate, precision: PrecisionBytes, units: _FsdpUnits, in_block: float
+    spec: ModelSpec, shape: _StageShape, cand: Candidate, precision: PrecisionBytes, units: _FsdpUnits, in_block: float
 ) -> float:
     """Bytes the end of a piece's backward holds beside the parts and the activations of the pieces ahead."""
     held, act, last = shape.held, shape.act, shape.last
@@ -310,25 +338,12 @@ def _piece_end(
     ending += shape.output if last else 0.0
     if shape.in_pipeline and not units.gathered:  # torch's schedule turns FSDP's resharding after backward off
         # until the last piece: each unit stays gathered until the next forward passes it, so by a piece's last
-        # block's backward the stage's whole parameters are, beside what that backward holds and its block's gradient
-        ending = units.whole + max(in_block + units.block, ending)
+        # block's backward the stage's whole parameters are, beside what that backward holds, or at its end beside
+        # its block's gradients (gathered dtype) and the stream's gradient
+        tokens = shape.piece * spec.seq
+        block_done = units.block + tokens * spec.n_embd * (precision.activation + shape.stream)
+        ending = units.whole + max(in_block + shape.weight_grad, block_done, ending)
     return ending
-
-
-def _schedule_memory(spec: ModelSpec, cand: Candidate, stage: int, stream: float) -> float:
-    """What a pipeline stage holds all through its schedule, besides the parts (found with the dry run): torch's
-    receive buffers, one per piece and direction for each of the rank's stages (two or more under interleaved and V
-    schedules), kept from the first step on; on the first stage, the outputs of its other pieces in flight (sent on
-    as they are)."""
-    _, per_rank, shape = SCHEDULES[cand.schedule]
-    first = stage == 0  # this rank holds the pipeline's first stage (no forward input to receive) and its last
-    last = stage == (0 if shape == "v" else cand.pp - 1)  # (no gradient to receive): a V puts it back on rank 0
-    tokens = cand.micro_batch // cand.microbatches * spec.seq
-    sent = tokens * spec.n_embd * stream  # a piece's residual stream
-    out = cand.microbatches * sent * (2 * per_rank - first - last)
-    if first:
-        out += sent * (pieces_in_flight(cand, stage) - 1)
-    return out
 
 
 def _pieces_gradients(cand: Candidate, grads: float, whole_grads: float, accum: int) -> float:
@@ -372,36 +387,6 @@ def _stage_activations(
     forwards, head_copy = interleaved_forwards(cand, stage), act.head_weight_copy if last else 0
     ends = (ids * forwards[0] if first else 0) + ((act.outside - ids - head_copy) * forwards[-1] if last else 0)
     return float((in_blocks - copies + head_copy) * in_flight + ends + copies), act
-
-
-def pieces_in_flight(cand: Candidate, stage: int) -> float:
-    """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule (for a rank
-    with several stages, in pieces through all of its blocks)."""
-    m, p = cand.microbatches, cand.pp
-    if p == 1:
-        return 1
-    _, per_rank, _ = SCHEDULES[cand.schedule]
-    if cand.schedule in ("gpipe", "looped_bfs"):  # every forward before the first backward
-        return m
-    if per_rank == 1:  # 1F1B: stage i warms up with p − i forwards before its first backward
-        return min(m, p - stage)
-    if cand.schedule == "interleaved_1f1b":
-        return sum(interleaved_forwards(cand, stage)) / per_rank
-    return min(m, p * (1 + (p - 1) / (p * per_rank)))
-
-
-def interleaved_forwards(cand: Candidate, stage: int) -> list[int]:
-    """Under torch's Interleaved1F1B, the forwards rank `stage` has run, by its local stage, when its first backward
-    starts: its warm-up, (stages per rank − 1) · r + 2 · (pp − 1 − rank) with r pieces a round (pp, or all m when
-    m < pp: torch's _get_warmup_ops), and one more unless that was all, the local stage changing every r."""
-    m, p = cand.microbatches, cand.pp
-    per_rank = SCHEDULES[cand.schedule][1]
-    per_round = m // max(1, m // p)
-    warm_up = min((per_rank - 1) * per_round + 2 * (p - 1 - stage), m * per_rank)
-    counts = [0] * per_rank
-    for k in range(warm_up + (warm_up < m * per_rank)):
-        counts[(k // per_round) % per_rank] += 1
-    return counts
 
 
 def checkpointed_blocks(cand: Candidate, blocks: int) -> int:

@@ -82,9 +82,12 @@ def figures(comparison: Comparison) -> dict[str, Any]:
 def combined(row: dict[str, Any], comparisons: list[Comparison]) -> dict[str, Any]:
     """The row with its ranks' figures: the most loaded rank's at the top level (and, for a pipeline, each stage's
     under "stages"), the largest error of each component over the stages and every part off on any stage."""
-    each = [{"stage": c.rank.stage, "seconds": round(c.rank.seconds, 2), **figures(c)} for c in comparisons]
+    each = [
+        {"stage": c.rank.stage, "seconds": round(c.rank.seconds, 2), "pieces": c.rank.pieces, **figures(c)}
+        for c in comparisons
+    ]
     top = max(each, key=lambda s: s["measured_MiB"]["peak"])
-    out = {**row, **{k: v for k, v in top.items() if k != "stage"}}
+    out = {**row, **{k: v for k, v in top.items() if k not in ("stage", "pieces")}}
     out["seconds"] = round(sum(s["seconds"] for s in each), 2)
     out["error"] = {k: max(s["error"][k] for s in each) for k in top["error"]}
     out["disagree"] = [k for k in top["error"] if any(k in s["disagree"] for s in each)]
@@ -117,7 +120,8 @@ def repredict(row: dict[str, Any]) -> dict[str, Any]:
     for stage in row.get("stages", [{**row, "stage": 0}]):
         measured = {k: int(v * MiB) for k, v in stage["measured_MiB"].items()}
         peak = measured.pop("peak")
-        ranks.append(RankMemory(0, stage["stage"], measured, peak, stage["seconds"]))
+        pieces = stage.get("pieces", job.config.parallel.pipeline.microbatches if job.layout.dims.pp > 1 else 1)
+        ranks.append(RankMemory(0, stage["stage"], measured, peak, stage["seconds"], pieces))
     comparisons = compare(DryRun(job, ranks, 2), config, cluster_for(row["world_size"]))
     return {**combined({k: v for k, v in row.items() if k != "stages"}, comparisons), "seconds": row["seconds"]}
 

@@ -140,6 +140,37 @@ def test_stages_of_one_and_two_blocks_with_one_sequence_pieces_agree_with_the_pl
     _stages(64, *pieces, "--train.global_batch=64", *ONE_SEQUENCE_PIECES[layout], only=[1, 2])
 
 
+def test_1f1b_stages_run_their_warm_up_and_two_more_pieces_and_hold_what_all_of_them_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8 pieces on 2 stages: stage 0 runs 4 (its warm-up of 2, then 2 more), stage 1 runs 3; each holds, to the
+    byte, what it holds running all 8 (the later pieces repeat the steady state; the receive buffers are made for
+    all 8, the whole batch is held), but for each piece not run the last stage's two 4-byte scalar losses, kept to
+    the step's end. Under FSDP, whose last piece's backward reduce-scatters the stage's gradients."""
+    import trainmesh.apps.plan.dryrun as dryrun
+
+    config = load_config(
+        None,
+        [
+            *("--model.n_layer=4", "--model.n_head=2", "--model.n_embd=64", "--model.vocab_size=256"),
+            *("--model.block_size=64", "--train.precision=bf16-mixed", "--train.global_batch_tokens=0"),
+            *("--parallel.pp=2", "--parallel.pipeline.microbatches=8", "--train.micro_batch=8"),
+            *("--parallel.strategy=fsdp", "--train.global_batch=64"),
+        ],
+        "gpt",
+    )
+    job = resolve(config, 8)
+    fewer = dry_run(job)
+    monkeypatch.setattr(dryrun, "STEADY", 8)  # every piece
+    every = dry_run(job)
+    assert [r.pieces for r in fewer.ranks] == [4, 3] and [r.pieces for r in every.ranks] == [8, 8]
+    assert [r.components for r in fewer.ranks[:1]] == [r.components for r in every.ranks[:1]]
+    losses = [0, 2 * 4 * (8 - 3)]
+    assert [r.peak + lost for r, lost in zip(fewer.ranks, losses, strict=True)] == [r.peak for r in every.ranks]
+    last, last_every = fewer.ranks[1].components, every.ranks[1].components
+    assert {**last, "temporaries": last["temporaries"] + losses[1]} == last_every
+
+
 def test_what_it_cannot_build_is_refused_naming_the_key() -> None:
     resnet = load_config(None, [], "resnet")
     with pytest.raises(ConfigError, match=r"run\.recipe='resnet'"):

@@ -102,6 +102,11 @@ class PipelineStrategy(Strategy):
         self._canonical: dict[str, str] = {}  # this rank's name of a tied weight -> the whole model's
 
     @property
+    def schedule(self) -> Any:
+        """torch's schedule object this rank steps (None until setup_module)."""
+        return self._schedule
+
+    @property
     def dp_size(self) -> int:
         return self.inner.dp_size
 

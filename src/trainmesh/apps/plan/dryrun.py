@@ -23,7 +23,7 @@ from torch import nn
 
 from trainmesh.apps.plan.check import where_from
 from trainmesh.apps.plan.cluster import Cluster, GiB, size_unit
-from trainmesh.apps.plan.fake import LiveBytes, fake_rank, pipeline_buffers, quiet, static_pipeline
+from trainmesh.apps.plan.fake import LiveBytes, fake_rank, first_pieces, pipeline_buffers, quiet, static_pipeline
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes
 from trainmesh.apps.plan.model import ModelSpec
@@ -72,6 +72,8 @@ class RankMemory:
     """The most bytes held at any moment, all components together."""
     seconds: float
     """Wall time to build and run this rank here."""
+    pieces: int
+    """Micro-batch pieces its step ran of each micro-step (pieces_to_run; 1 without a pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -136,14 +138,32 @@ def dry_run(job: Job, micro_steps: int | None = 2, stages: list[int] | None = No
         steps = 1
     ranks = stage_ranks(fake)
     chosen = range(len(ranks)) if stages is None else stages
-    return DryRun(fake, [run_rank(fake, ranks[stage], stage, steps) for stage in chosen], steps)
+    return DryRun(fake, [run_rank(fake, ranks[s], s, steps, pieces_to_run(fake, s)) for s in chosen], steps)
 
 
-def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
+STEADY = 2
+"""Under 1F1B, the pieces a stage runs after its warm-up: the first backward (no piece's gradients yet) and the
+second (every piece in flight beside the gradients of the first), which every later one repeats."""
+
+
+def pieces_to_run(job: Job, stage: int) -> int:
+    """The micro-batch pieces a pipeline stage's dry run steps through: under 1F1B its warm-up and STEADY more (the
+    pieces after them go through the same moments again: one forward, one backward, the same pieces in flight), the
+    receive buffers of all made all the same (fake.first_pieces); under the other schedules, whose pieces in flight
+    depend on all of them, every piece. 1 without a pipeline."""
+    dims, options = job.layout.dims, job.config.parallel.pipeline
+    if dims.pp == 1:
+        return 1
+    if options.schedule != "1f1b":
+        return options.microbatches
+    return min(options.microbatches, dims.pp - stage + STEADY)
+
+
+def run_rank(job: Job, rank: int, stage: int, micro_steps: int, pieces: int = 1) -> RankMemory:
     """One rank's step under the trackers. The optimizer's state is created first (AdamW makes it at its first
     step), so the tracked step holds what every later step holds. Micro-steps before the last accumulate without
     synchronising (the strategy's no_sync) and hold what the first of them holds, so 2 show the memory of any
-    number."""
+    number. `pieces`: of a pipeline's micro-batch pieces, how many each micro-step runs (pieces_to_run)."""
     start = time.perf_counter()
     dims = job.layout.dims
     env = DistEnv(rank, rank, dims.world_size, dims.world_size, "127.0.0.1", 0, "adopted")  # one node of them all
@@ -156,9 +176,9 @@ def run_rank(job: Job, rank: int, stage: int, micro_steps: int) -> RankMemory:
         whole = runtime.precision.convert_module(whole)
         pipeline = static_pipeline(pipeline_boundaries(job, runtime, whole)) if dims.pp > 1 else nullcontext()
         with fake_tensors, pipeline:
-            memory = _step(job, runtime, whole, micro_steps)
+            memory = _step(job, runtime, whole, micro_steps, pieces)
         runtime.teardown()
-    return RankMemory(rank, stage, *memory, time.perf_counter() - start)
+    return RankMemory(rank, stage, *memory, time.perf_counter() - start, pieces)
 
 
 def pipeline_boundaries(job: Job, runtime: Runtime, whole: nn.Module) -> list[torch.Tensor]:
@@ -180,7 +200,7 @@ def pipeline_boundaries(job: Job, runtime: Runtime, whole: nn.Module) -> list[to
     return boundaries
 
 
-def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tuple[dict[str, int], int]:
+def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int, pieces: int) -> tuple[dict[str, int], int]:
     """Set the model up as a run does and measure one step: each component's most bytes (COMPONENTS) and the peak.
     Tracked from the set-up on: what it leaves allocated (DDP's gradient buckets, say) is memory the step holds."""
     live = LiveBytes()
@@ -191,22 +211,27 @@ def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int) -> tup
         _create_optimizer_state(raw, optimizer)
         shape = (job.batch.micro_batch, job.batch.tokens_per_sample)
         batch = (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))  # ids and targets
+        strategy, schedule = runtime.strategy, None
+        if isinstance(strategy, PipelineStrategy) and pieces < strategy.options.microbatches:
+            rows, schedule = job.batch.micro_batch // strategy.options.microbatches * pieces, strategy.schedule
+            batch = (batch[0][:rows], batch[1][:rows])  # the first pieces' (views: the whole batch is held)
         # the same all step: parameters (and buffers), optimizer state, the batch (which the plan counts in the
         # activations: the embedding and the loss save it)
         params, state = storage_bytes([*raw.parameters(), *raw.buffers()]), optimizer_bytes(optimizer)
         steady = params + state + storage_bytes(batch)
         live.reset_peak()
-        stages = getattr(runtime.strategy, "pipeline_stages", [])
+        stages = getattr(strategy, "pipeline_stages", [])
         # beside the state between micro-steps: the gradients (and a pipeline's receive buffers, in temporaries)
-        held = _one_step(
-            job,
-            runtime,
-            model,
-            optimizer,
-            batch,
-            micro_steps,
-            lambda: live.current() - steady - storage_bytes(pipeline_buffers(stages)),
-        )
+        with first_pieces(schedule, pieces) if schedule is not None else nullcontext():
+            held = _one_step(
+                job,
+                runtime,
+                model,
+                optimizer,
+                batch,
+                micro_steps,
+                lambda: live.current() - steady - storage_bytes(pipeline_buffers(stages)),
+            )
         saved, gathered = held.pop()
     parts = {"params": params, "grads": max(held), "optimizer": state, "activations": saved, "gathered": gathered}
     peak = live.peak()
@@ -298,9 +323,17 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
     prediction differs from it by more than TOLERANCE."""
     run = dry_run(job)
     seconds = sum(r.seconds for r in run.ranks)
+    m = job.config.parallel.pipeline.microbatches
+    fewer = [r.pieces for r in run.ranks if job.layout.dims.pp > 1 and r.pieces < m]
+    pieces = (
+        f", of the {m} pieces the first {min(fewer)}-{max(fewer)} a stage (1F1B's warm-up and {STEADY} more: the "
+        "rest repeat them)"
+        if fewer
+        else ""
+    )
     lines = [
         f"  dry run here ({len(run.ranks)} rank(s) of {job.world_size} on fake tensors and a fake process group, "
-        f"{run.micro_steps} micro-step(s), {seconds:.1f} s):"
+        f"{run.micro_steps} micro-step(s){pieces}, {seconds:.1f} s):"
     ]
     for comparison in compare(run, job.config, cluster):
         rank, measured = comparison.rank, comparison.measured

@@ -30,7 +30,8 @@ from torch.distributed.tensor import _redistribute as redistribute
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-_WARMUP_P2P = _PipelineSchedule._warmup_p2p  # what static_pipeline replaces: a torch without it fails on import here
+# what static_pipeline and first_pieces replace: a torch without them fails on import here
+_WARMUP_P2P, _INITIALISE = _PipelineSchedule._warmup_p2p, _PipelineSchedule._initialize_pp_stages
 TOTAL = "Total"
 
 
@@ -147,6 +148,31 @@ def static_pipeline(boundaries: Sequence[torch.Tensor]) -> Iterator[None]:
     with _patching() as patch:
         patch(_PipelineSchedule, "_warmup_p2p", told)
         yield
+
+
+@contextlib.contextmanager
+def first_pieces(schedule: _PipelineSchedule, run: int) -> Iterator[None]:
+    """Steps of `schedule` over the first `run` of its micro-batch pieces (given a batch of that many), its stages
+    set up as for all of them: the receive buffers torch makes at the first step, one per piece and direction, are
+    made for every piece. Under 1F1B the pieces after a stage's warm-up and two more repeat the steady state (one
+    forward, one backward) those went through, so they hold nothing new (dryrun.pieces_to_run)."""
+    full = schedule._n_microbatches
+    initialise = _PipelineSchedule._initialize_pp_stages
+
+    def for_every_piece(self: _PipelineSchedule, *args: Any, **kwargs: Any) -> Any:
+        self._n_microbatches = full
+        try:
+            return initialise(self, *args, **kwargs)
+        finally:
+            self._n_microbatches = run
+
+    with _patching() as patch:
+        patch(_PipelineSchedule, "_initialize_pp_stages", for_every_piece)
+        schedule._n_microbatches = run
+        try:
+            yield
+        finally:
+            schedule._n_microbatches = full
 
 
 def pipeline_buffers(stages: Sequence[Any]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes, element_bytes
 from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.apps.plan.rank_memory import checkpointed_blocks, param_bytes, stage_memory
+from trainmesh.apps.plan.schedules import loss_rank
 from trainmesh.strategies import SCHEDULES
 
 TIME_PARTS = ("compute", "bubble", "comm", "optimizer", "offload")
@@ -101,7 +102,7 @@ def _slot(
     tp_link, pp_link = cluster.link(cand.tp, 1), cluster.link(cand.pp, cand.dp * cand.tp)
     blocks = spec.blocks_of_stage(stage, cand.pp)
     checkpointed = checkpointed_blocks(cand, blocks)
-    last, first = stage == cand.pp - 1, stage == 0
+    last, first = stage == loss_rank(cand), stage == 0
     forward = blocks * spec.matmul_flops_per_token(side="block")
     forward += spec.matmul_flops_per_token(side="head") if last else 0
     recompute = checkpointed * spec.matmul_flops_per_token(side="block")
@@ -137,7 +138,7 @@ def _after_pipeline(
     slowdown: float,
 ) -> dict[str, float]:
     """A stage's exposed data-parallel communication, optimizer step and offload copies per step."""
-    held = spec.stage_params(stage, cand.pp)
+    held = spec.stage_params(stage, cand.pp, loss_rank(cand))
     shard = cand.dp_shard if cand.strategy == "fsdp" else 1
     local = sum(p.local_numel(cand.tp, shard) for p in held)
     optimizer_bytes = local * OPTIMIZER_BYTES_PER_PARAM * precision.weight / 4
@@ -168,7 +169,7 @@ def _data_parallel_comm(
     micro-step and of its backward, which communication may hide behind."""
     if cand.dp == 1:
         return 0.0
-    held = spec.stage_params(stage, cand.pp)
+    held = spec.stage_params(stage, cand.pp, loss_rank(cand))
     unsharded = param_bytes(held, cand.tp, 1, 1)  # elements of this stage's (tensor-parallel) parameters
     hide = cluster.overlap
     if cand.strategy == "ddp":

@@ -93,8 +93,11 @@ class ModelSpec:
     def stage_of_block(self, block: int, pp: int) -> int:
         return next(i for i in range(pp) if i * self.n_layer // pp <= block < (i + 1) * self.n_layer // pp)
 
-    def stage_params(self, stage: int, pp: int) -> list[Param]:
-        """The parameters pipeline stage `stage` of `pp` holds (all of them when pp = 1)."""
+    def stage_params(self, stage: int, pp: int, last: int | None = None) -> list[Param]:
+        """The parameters pipeline rank `stage` of `pp` holds (all of them when pp = 1): its blocks, the embeddings on
+        rank 0, the final norm and the head on rank `last` (the one with the pipeline's last stage: pp − 1 by
+        default; 0 under a V schedule, where the tied matrix is then one tensor)."""
+        last = pp - 1 if last is None else last
         held = []
         for p in self.params:
             if p.side == "block":
@@ -103,8 +106,8 @@ class ModelSpec:
                     held.append(p)
             elif (
                 (p.side == EMBED and stage == 0)
-                or (p.side == HEAD and stage == pp - 1)
-                or (p.name == "wte.weight" and stage == pp - 1)  # the head's copy of the tied matrix
+                or (p.side == HEAD and stage == last)
+                or (p.name == "wte.weight" and stage == last != 0)  # the head's copy of the tied matrix
             ):
                 held.append(p)
         return held

@@ -15,7 +15,7 @@ from trainmesh.apps.plan.cluster import Cluster
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes, StateBytes, element_bytes
 from trainmesh.apps.plan.model import ModelSpec, Param
-from trainmesh.apps.plan.schedules import interleaved_forwards, pieces_in_flight, schedule_memory
+from trainmesh.apps.plan.schedules import interleaved_forwards, loss_rank, pieces_in_flight, schedule_memory
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "gathered", "temporaries", "overhead")
 
@@ -89,7 +89,7 @@ class _StageShape:
         activations, act = _stage_activations(spec, cand, precision, stage)
         blocks = spec.blocks_of_stage(stage, cand.pp)
         checkpointed = checkpointed_blocks(cand, blocks)
-        last = stage == cand.pp - 1
+        last = stage == loss_rank(cand)
         piece = cand.micro_batch // cand.microbatches
         logits = 4.0 * spec.seq * piece * spec.vocab if last else 0.0
         in_flight = pieces_in_flight(cand, stage)
@@ -102,7 +102,7 @@ class _StageShape:
         # a pipeline runs backward inside its schedule's autocast, whose cached copies of checkpointed blocks'
         # weights are then alive (elsewhere autocast has exited and freed them)
         cached = checkpointed * act.block_weight_copy if cand.pp > 1 else 0.0
-        held = spec.stage_params(stage, cand.pp)
+        held = spec.stage_params(stage, cand.pp, loss_rank(cand))
         largest = sorted([p for p in held if p.block is not None], key=lambda p: math.prod(p.shape))[-1:]
         weight_grad = param_bytes(largest, cand.tp, 1, precision.activation) if cand.pp > 1 else 0.0
         return cls(
@@ -374,7 +374,7 @@ def _stage_activations(
     )
     blocks = spec.blocks_of_stage(stage, cand.pp)
     plain = blocks - checkpointed_blocks(cand, blocks)
-    last, first = stage == cand.pp - 1, stage == 0
+    last, first = stage == loss_rank(cand), stage == 0
     in_blocks = plain * act.per_block + (blocks - plain) * act.checkpointed_block
     ids = INT64 * (piece * spec.seq + spec.seq)  # the embedding's token ids and positions: the first stage's
     ends = (ids if first else 0) + (act.outside - ids if last else 0)

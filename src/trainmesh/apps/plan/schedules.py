@@ -11,6 +11,12 @@ from trainmesh.apps.plan.model import ModelSpec
 from trainmesh.strategies import SCHEDULES
 
 
+def loss_rank(cand: Candidate) -> int:
+    """The pipeline rank that holds the last stage (the head and the loss): pp − 1, or 0 under a V schedule (rank r
+    holds stages r and 2·pp − 1 − r)."""
+    return 0 if SCHEDULES[cand.schedule][2] == "v" else cand.pp - 1
+
+
 def pieces_in_flight(cand: Candidate, stage: int) -> float:
     """Micro-batch pieces whose activations stage `stage` holds at once under the candidate's schedule (for a rank
     with several stages, in pieces through all of its blocks)."""
@@ -46,9 +52,9 @@ def schedule_memory(spec: ModelSpec, cand: Candidate, stage: int, stream: float)
     receive buffers, one per piece and direction for each of the rank's stages (two or more under interleaved and V
     schedules), kept from the first step on; on the first stage, the outputs of its other pieces in flight (sent on
     as they are)."""
-    _, per_rank, shape = SCHEDULES[cand.schedule]
+    per_rank = SCHEDULES[cand.schedule][1]
     first = stage == 0  # this rank holds the pipeline's first stage (no forward input to receive) and its last
-    last = stage == (0 if shape == "v" else cand.pp - 1)  # (no gradient to receive): a V puts it back on rank 0
+    last = stage == loss_rank(cand)  # (no gradient to receive)
     tokens = cand.micro_batch // cand.microbatches * spec.seq
     sent = tokens * spec.n_embd * stream  # a piece's residual stream
     out = cand.microbatches * sent * (2 * per_rank - first - last)

@@ -237,3 +237,25 @@ def test_plan_lists_the_sharded_gradient_mode_beside_the_default() -> None:
     one_step = ["--parallel.strategy=fsdp", "--train.micro_batch=4", "--train.global_batch=8"]
     flag = "--parallel.fsdp.reduce_every_microstep=true"
     assert not Candidate.from_job(resolve(load_config(None, [*one_step, flag], "gpt"), 2)).reduce_every_microstep
+
+
+@pytest.mark.parametrize("schedule", ["zbv_zero_bubble", "dualpipev"])
+def test_a_v_schedule_holds_the_first_and_the_last_stage_on_rank_0(schedule: str) -> None:
+    """Rank r of a V holds stages r and 2p − 1 − r: rank 0 has the embeddings, the final norm, the head (the tied
+    matrix once) and the loss's logits; rank 1 only blocks. Both of rank 0's stages talk to rank 1, and rank
+    p − 1's two stages to each other: each rank sends and receives twice per piece at pp 2 (4 times on a middle
+    rank), where a loop's first and last rank do once."""
+    spec = _spec(n_layer=4)
+    names = [[p.name for p in spec.stage_params(rank, 2, 0)] for rank in (0, 1)]
+    assert names[0].count("wte.weight") == 1 and "ln_f.weight" in names[0]
+    assert all(name.startswith("blocks.") for name in names[1])
+    v = Candidate("single", 2, 1, 1, 1, 0, 4, 4, schedule=schedule)
+    memory = [stage_memory(spec, v, FP32, _cluster(), 1, rank)[0] for rank in (0, 1)]
+    block = 12 * 32**2 + 13 * 32
+    assert [m["params"] for m in memory] == [4 * P, 4 * 2 * block]  # rank 0: the nano's 2 blocks and all the rest
+    assert memory[0]["activations"] > memory[1]["activations"]  # the loss's logits on rank 0
+    slow = _cluster(intra=Link.uniform(bandwidth=1e6, latency=0.0), inter=Link.uniform(bandwidth=1e6, latency=0.0))
+    loop = Candidate("single", 2, 1, 1, 1, 0, 4, 4)
+    work = Workload(spec, FP32, 4, False)
+    v_comm, loop_comm = (estimate(work, cand, slow).time["comm"] for cand in (v, loop))
+    assert v_comm == pytest.approx(2 * loop_comm)

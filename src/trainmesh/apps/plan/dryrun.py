@@ -159,11 +159,13 @@ def pieces_to_run(job: Job, stage: int) -> int:
     return min(options.microbatches, dims.pp - stage + STEADY)
 
 
-def run_rank(job: Job, rank: int, stage: int, micro_steps: int, pieces: int = 1) -> RankMemory:
+def run_rank(job: Job, rank: int, stage: int, micro_steps: int, pieces: int | None = None) -> RankMemory:
     """One rank's step under the trackers. The optimizer's state is created first (AdamW makes it at its first
     step), so the tracked step holds what every later step holds. Micro-steps before the last accumulate without
     synchronising (the strategy's no_sync) and hold what the first of them holds, so 2 show the memory of any
-    number. `pieces`: of a pipeline's micro-batch pieces, how many each micro-step runs (pieces_to_run)."""
+    number. `pieces`: of a pipeline's micro-batch pieces, how many each micro-step runs (pieces_to_run's by
+    default; fewer than all only under 1F1B)."""
+    pieces = pieces_to_run(job, stage) if pieces is None else pieces
     start = time.perf_counter()
     dims = job.layout.dims
     env = DistEnv(rank, rank, dims.world_size, dims.world_size, "127.0.0.1", 0, "adopted")  # one node of them all
@@ -213,6 +215,8 @@ def _step(job: Job, runtime: Runtime, whole: nn.Module, micro_steps: int, pieces
         batch = (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))  # ids and targets
         strategy, schedule = runtime.strategy, None
         if isinstance(strategy, PipelineStrategy) and pieces < strategy.options.microbatches:
+            if strategy.options.schedule != "1f1b":  # whose pieces in flight depend on all of them
+                raise ValueError(f"only a 1F1B step repeats its pieces: {strategy.options.schedule} runs them all")
             rows, schedule = job.batch.micro_batch // strategy.options.microbatches * pieces, strategy.schedule
             batch = (batch[0][:rows], batch[1][:rows])  # the first pieces' (views: the whole batch is held)
         # the same all step: parameters (and buffers), optimizer state, the batch (which the plan counts in the
@@ -324,13 +328,10 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
     run = dry_run(job)
     seconds = sum(r.seconds for r in run.ranks)
     m = job.config.parallel.pipeline.microbatches
-    fewer = [r.pieces for r in run.ranks if job.layout.dims.pp > 1 and r.pieces < m]
-    pieces = (
-        f", of the {m} pieces the first {min(fewer)}-{max(fewer)} a stage (1F1B's warm-up and {STEADY} more: the "
-        "rest repeat them)"
-        if fewer
-        else ""
-    )
+    fewer = sorted({r.pieces for r in run.ranks if job.layout.dims.pp > 1 and r.pieces < m})
+    ran = "-".join(str(n) for n in dict.fromkeys([fewer[0], fewer[-1]])) if fewer else ""
+    pieces = f", of the {m} pieces the first {ran} a stage (1F1B's warm-up and {STEADY} more: the rest repeat them)"
+    pieces = pieces if fewer else ""
     lines = [
         f"  dry run here ({len(run.ranks)} rank(s) of {job.world_size} on fake tensors and a fake process group, "
         f"{run.micro_steps} micro-step(s){pieces}, {seconds:.1f} s):"

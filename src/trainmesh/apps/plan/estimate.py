@@ -121,7 +121,10 @@ def _slot(
     if last:
         logits = tokens * spec.vocab * precision.activation
         comm += tp_link.time("all_gather", logits, cand.tp) + tp_link.time("all_reduce", act_bytes, cand.tp)
-    sends = (not first) + (not last)  # receive activations / send them on; the same for gradients back
+    # each of the rank's stages receives activations from the stage before and sends them on (and gradients back),
+    # but the pipeline's first and last stage; a V's rank pp − 1 holds two stages next to each other
+    _, per_rank, placement = SCHEDULES[cand.schedule]
+    sends = 2 * per_rank - first - last if placement != "v" else 4 - 2 * first - 2 * (stage == cand.pp - 1)
     comm += 2 * sends * pp_link.time("p2p", stream, 2)
     return compute, comm, backward
 

@@ -223,14 +223,14 @@ def _block_backward(spec: ModelSpec, shape: _StageShape, cand: Candidate, precis
 def _copies_gradients(shape: _StageShape, cand: Candidate) -> float:
     """In a pipeline, the gradients of autocast's cached weight copies, in the compute dtype, that a piece's backward
     holds until it ends (the copies were made in the first piece's forward, so autograd runs their casts last), less
-    what the blocks it has been through freed of that piece's activations: the most of it as a checkpointed block's
-    backward starts (found with the dry run: 7 blocks' copies' gradients beside a 7B stage's last block)."""
+    what the blocks it has been through freed of that piece's activations: the most of it as a block's backward
+    starts (found with the dry run: 7 blocks' copies' gradients beside a checkpointed 7B stage's last block; without
+    checkpointing a block frees more than its copy, so 0 unless pieces are short)."""
     act, k = shape.act, cand.checkpoint_every
     held = most = 0.0
     for i in reversed(range(shape.blocks)):  # the stage's blocks in backward's order
         checkpointed = bool(k) and i % k == 0
-        if checkpointed:
-            most = max(most, held)
+        most = max(most, held)
         freed = act.checkpointed_block if checkpointed else act.per_block - act.block_weight_copy
         held += act.block_weight_copy - freed
     return most

@@ -1,5 +1,6 @@
-"""Pipeline schedules as the planner sees them: the micro-batch pieces a stage holds at once under each of torch's
-schedules, and the receive buffers a stage keeps all through its schedule (both found with the dry run, dryrun.py).
+"""Pipeline schedules as the planner sees them: which rank holds the last stage and its loss, the micro-batch pieces a
+stage holds at once under each of torch's schedules, and the receive buffers a stage keeps all through its schedule
+(both found with the dry run, dryrun.py).
 
 Details: docs/internals.md#appsplanschedulespy
 """

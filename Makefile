@@ -53,7 +53,7 @@ typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=40
 
 test-ray: $(RAY_VENV)/.installed
 	OMP_NUM_THREADS=1 $(RAY_PY) -m pytest -q -rs --durations=5 tests/ray_train

@@ -52,8 +52,12 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist): its multi-process tests wait on launches, rendezvous and
+# timers for a third of their time, which the other worker's tests fill. Files are split when a worker runs out.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=40
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist worksteal
 
 test-ray: $(RAY_VENV)/.installed
 	OMP_NUM_THREADS=1 $(RAY_PY) -m pytest -q -rs --durations=5 tests/ray_train

@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,14 @@ def test_embedded_corpus_is_real_python_within_the_cap() -> None:
     assert files and sum(f.stat().st_size for f in files) <= 300_000
     assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
     assert files == embedded_files(300_000)  # a fixed order
+    # the choice and order the corpus's cache key was made with: the .py files by path, these folders left out
+    root, skip = Path(sysconfig.get_paths()["stdlib"]), {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    chosen, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if not skip & set(path.relative_to(root).parts[:-1]) and total + path.stat().st_size <= 300_000:
+            chosen.append(path)
+            total += path.stat().st_size
+    assert files == chosen
 
 
 def test_text_corpus_is_cached_and_split(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,13 +59,11 @@ def default_cache_dir() -> Path:
 
 
 def embedded_files(max_bytes: int) -> list[Path]:
-    """The standard library's .py files in a fixed order, up to `max_bytes` in total."""
+    """The standard library's .py files in a fixed order (by path), up to `max_bytes` in total."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files: list[Path] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if _SKIP_DIRS.intersection(path.relative_to(root).parts[:-1]):
-            continue
+    for path in _python_files(root):
         size = path.stat().st_size
         if total + size > max_bytes:
             continue
@@ -73,6 +72,18 @@ def embedded_files(max_bytes: int) -> list[Path]:
     if not files:
         raise RuntimeError(f"no Python source found under {root} for the embedded corpus")
     return files
+
+
+def _python_files(folder: Path) -> Iterator[Path]:
+    """`sorted(folder.rglob("*.py"))` without walking _SKIP_DIRS (site-packages: a second a worker, before)."""
+    with os.scandir(folder) as scan:
+        entries = sorted(scan, key=lambda entry: entry.name)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            if entry.name not in _SKIP_DIRS:
+                yield from _python_files(Path(entry.path))
+        elif entry.name.endswith(".py") and entry.is_file():
+            yield Path(entry.path)
 
 
 def shard_corpus(folder: Path) -> TokenCorpus:

@@ -53,7 +53,7 @@ typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist): its multi-process tests wait on launches, rendezvous and
-# timers for a third of their time, which the other worker's tests fill. Files are split when a worker runs out.
+# timers for about 40% of their time, which the other worker's tests fill. A worker that runs out takes the other's.
 TEST_WORKERS ?= 2
 
 test: lint typecheck

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from support import nano_toml
+from trainmesh.apps.plan import check
 from trainmesh.apps.plan.check import choose_gradient_mode
 from trainmesh.apps.plan.cluster import PRESETS, get_cluster, load_calibration, save_calibration
 from trainmesh.cli import main
@@ -94,4 +95,24 @@ def test_auto_gradient_mode_leaves_a_given_mode_and_says_nothing_where_nothing_i
     assert jobs[0].config.parallel.fsdp.reduce_every_microstep is True and why == ""  # auto would pick false
     one_step = ["--train.global_batch=1024", "--train.micro_batch=16"]  # no accumulation at 64 ranks
     jobs, why = choose_gradient_mode([resolve(load_config(None, [*SEVEN_B, *one_step], "gpt"), 64)], cluster)
+    assert jobs[0].config.parallel.fsdp.reduce_every_microstep is False and why == ""
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.strategy=ddp"],  # no sharding
+        ["--train.micro_batch=16"],  # no accumulation at 64 ranks
+        ["--parallel.pp=2", "--parallel.pipeline.microbatches=4"],  # a pipeline's stages reduce every micro-step
+    ],
+)
+def test_auto_gradient_mode_estimates_nothing_where_the_mode_changes_nothing(
+    layout: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every launch decides the mode; estimating builds the model on the meta device twice (a second of start-up),
+    which is spent only where fsdp shards over ranks and accumulates without a pipeline."""
+    monkeypatch.setattr(check, "predict", lambda job, cluster: pytest.fail(f"estimated {job.layout}"))
+    job = resolve(load_config(None, [*SEVEN_B, "--train.global_batch=1024", *layout], "gpt"), 64)
+    assert not job.gradient_mode_matters
+    jobs, why = choose_gradient_mode([job], get_cluster("h100", 8, 8))
     assert jobs[0].config.parallel.fsdp.reduce_every_microstep is False and why == ""

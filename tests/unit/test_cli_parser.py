@@ -20,6 +20,17 @@ def test_help_and_version_import_no_torch() -> None:
     assert subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
 
 
+def test_a_launcher_and_a_worker_start_without_dcp_or_dtensor() -> None:
+    """DCP imports DTensor, which imports sympy and DTensor's sharding rules: a second of every process's start. They
+    are imported where a checkpoint is read or written and where DTensors are made (fsdp, pipeline, tensor
+    parallelism); `trainmesh run`'s launcher and a worker's modules import neither."""
+    modules = "trainmesh.cli.run, trainmesh.job.worker, trainmesh.train.loop, trainmesh.checkpoint, trainmesh.runtime"
+    heavy = "('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch.distributed.fsdp')"
+    probe = f"import sys, {modules}; sys.exit(', '.join(m for m in {heavy} if m in sys.modules) or None)"
+    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, f"imported: {done.stderr}"
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--version"])

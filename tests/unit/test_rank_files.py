@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainmesh.checkpoint import reader
+from trainmesh.checkpoint import rank_files
 from trainmesh.checkpoint.catalog import check_checkpoint
 from trainmesh.checkpoint.dcp import rng_state, single_process_quiet
 from trainmesh.checkpoint.manifest import file_matches, write_manifest_here
-from trainmesh.checkpoint.reader import UntrustedCheckpointError, read_rank_file
+from trainmesh.checkpoint.rank_files import UntrustedCheckpointError, read_rank_file
 
 
 class Payload:
@@ -102,7 +102,7 @@ def test_checking_maps_the_rng_files_and_refuses_a_symlink(tmp_path: Path, monke
     ckpt = checkpoint(tmp_path)
     loads: list[dict[str, Any]] = []
     real = torch.load
-    monkeypatch.setattr(reader.torch, "load", lambda f, **kw: loads.append(kw) or real(f, **kw))
+    monkeypatch.setattr(rank_files.torch, "load", lambda f, **kw: loads.append(kw) or real(f, **kw))
     assert check_checkpoint(ckpt) == []
     assert [kw.get("mmap") for kw in loads] == [True, True], loads
     # a file torch cannot map (its older format here; a file system without mmap) is judged as the resume reads it
@@ -124,7 +124,7 @@ def test_running_out_of_memory_while_checking_is_not_a_bad_checkpoint(
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError
 
-    monkeypatch.setattr(reader.torch, "load", out_of_memory)
+    monkeypatch.setattr(rank_files.torch, "load", out_of_memory)
     with pytest.raises(MemoryError):
         check_checkpoint(ckpt)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainmesh.checkpoint.manifest import file_matches, verify
-from trainmesh.checkpoint.reader import RANK_DIR, UntrustedCheckpointError, read_metadata, read_rank_file
+from trainmesh.checkpoint.rank_files import RANK_DIR, UntrustedCheckpointError, read_rank_file
 from trainmesh.checkpoint.state import TRAINER_STATE, InvalidTrainerState, TrainerState
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import fsync_dir, make_dirs, read_bytes, write_atomically
@@ -152,6 +152,8 @@ def check_checkpoint(path: Path, runtime: Runtime | None = None) -> list[str]:
 
 def _content_problems(path: Path) -> list[str]:
     """Why a checkpoint whose files match its manifest still cannot be used (an empty list: it can)."""
+    from trainmesh.checkpoint.reader import read_metadata  # here: DCP's import, only where a checkpoint is read
+
     try:
         state = TrainerState.read(path)
         read_metadata(path)

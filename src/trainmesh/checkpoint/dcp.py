@@ -1,5 +1,6 @@
 """Saving and loading one checkpoint with torch.distributed.checkpoint (DCP), every rank in parallel, and the layout of
-a checkpoint folder.
+a checkpoint folder. DCP and the reader are imported where a checkpoint is read: with the DTensor they import, a second
+of start-up that a run which never resumes does not pay.
 
 Details: docs/internals.md#checkpointdcppy
 """
@@ -15,22 +16,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainmesh.checkpoint.reader import (
+from trainmesh.checkpoint.rank_files import (
     RANK_DIR,
-    SafeLoadPlanner,
-    SafeReader,
     UntrustedCheckpointError,
     as_numpy_state,
     as_python_state,
-    read_metadata,
     read_rank_file,
-    saved_tensors,
-    set_path,
 )
 from trainmesh.checkpoint.state import TrainerState
 from trainmesh.core.errors import UserError
@@ -76,6 +69,8 @@ class CheckpointMismatchError(UserError, ValueError):
 def _check_matches(path: Path, ours: dict[str, tuple[int, ...]]) -> None:
     """Compare the model's parameter names and (global) shapes with the checkpoint's metadata before
     loading anything."""
+    from trainmesh.checkpoint.reader import saved_tensors
+
     saved = {
         key.removeprefix("model."): tuple(meta.size)
         for key, meta in saved_tensors(path).items()
@@ -110,6 +105,10 @@ def single_process_quiet() -> Iterator[None]:
 def read_full_state(path: Path) -> dict[str, Any]:
     """Every value of a checkpoint, in one process and without a process group ({"model": {...},
     "optim": {...}}, nested as it was saved); for inspection, comparison and export."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from trainmesh.checkpoint.reader import read_metadata, set_path
+
     metadata = read_metadata(path)
     flat: dict[str, Any] = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
@@ -126,9 +125,14 @@ def read_full_state(path: Path) -> dict[str, Any]:
 def _load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """dcp.load through the safe reader and planner; a refusal comes out as itself, not wrapped in DCP's
     CheckpointException (which names only the ranks)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainmesh.checkpoint.reader import SafeLoadPlanner, SafeReader
+
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
+            load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as e:
         refusal = find_cause(e, UntrustedCheckpointError)
         if refusal is not None:
@@ -139,6 +143,8 @@ def _load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
 def find_cause(error: BaseException | None, kind: type[E]) -> E | None:
     """The first exception of `kind` in `error`, its causes and contexts, and the per-rank failures DCP
     wraps in a CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     seen: set[int] = set()
     todo = [error]
     while todo:

@@ -1,5 +1,6 @@
 """Writing checkpoints: every rank in parallel, committed atomically by rename, optionally in the background
-(`checkpoint.async_save`); every rank learns the outcome of each step.
+(`checkpoint.async_save`); every rank learns the outcome of each step. DCP is imported where a save starts: with the
+DTensor it imports, a second of start-up that a run which never saves does not pay.
 
 Details: docs/internals.md#checkpointsaverpy
 """
@@ -15,11 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
 from torch.torch_version import TorchVersion
 
 from trainmesh.checkpoint.catalog import (
@@ -33,14 +30,16 @@ from trainmesh.checkpoint.catalog import (
 )
 from trainmesh.checkpoint.dcp import find_cause, rng_state, single_process_quiet
 from trainmesh.checkpoint.manifest import PeerFailed, write_json_durably, write_manifest
-from trainmesh.checkpoint.reader import RANK_DIR
+from trainmesh.checkpoint.rank_files import RANK_DIR
 from trainmesh.checkpoint.state import TRAINER_STATE, TrainerState
+from trainmesh.core.dtensors import is_dtensor
 from trainmesh.core.errors import UserError
 from trainmesh.core.files import fsync_dir
 from trainmesh.core.logging import get_logger
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.staging import DefaultStager
 
     from trainmesh.runtime.runtime import Runtime
 
@@ -120,10 +119,13 @@ class Checkpointer:
             job.state_dict = tensors
             self._complete(job)
             return final
+        from torch.distributed.checkpoint import async_save  # DCP's import, where a run saves (module docstring)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         with single_process_quiet():  # copies to CPU memory now; writes in DCP's thread
             if self._stager is None:  # kept across saves: it reuses its (pinned) CPU copies of the same tensors
                 self._stager = DefaultStager(StagingOptions(self._pinned, False, False, False))
-            written = dcp.async_save(
+            written = async_save(
                 tensors, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager
             )
             job.written = cast(Future, written)
@@ -166,8 +168,10 @@ class Checkpointer:
 
         def write_mine() -> None:
             if job.state_dict is not None:
+                from torch.distributed.checkpoint import save
+
                 with single_process_quiet():
-                    dcp.save(job.state_dict, checkpoint_id=str(job.staging))
+                    save(job.state_dict, checkpoint_id=str(job.staging))
             if job.written is not None:
                 job.written.result()
             torch.save(job.rng, job.staging / RANK_DIR / f"rank_{rt.rank}.pt")
@@ -207,6 +211,8 @@ class Checkpointer:
         """Run this rank's part of a step; if any rank's part failed, fail on every rank with the same
         error (a rank that raised alone would leave the others waiting in the next collective until the
         timeout)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         rt, error, origin = self.runtime, None, [self.runtime.rank]
         try:
             action()
@@ -279,6 +285,8 @@ def _free_bytes(folder: Path) -> int:
 
 def _first_failure(error: BaseException) -> BaseException:
     """The exception inside DCP's CheckpointException wrappers (one rank's)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     while isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     return error
@@ -291,8 +299,8 @@ def _tensor_sizes(state: Any, prefix: str = "") -> dict[str, tuple[int, bool]]:
     if isinstance(state, (list, tuple)):
         return {k: v for i, value in enumerate(state) for k, v in _tensor_sizes(value, f"{prefix}{i}.").items()}
     if isinstance(state, torch.Tensor):
-        sharded = isinstance(state, DTensor)  # this rank holds its local shard
-        local = state.to_local() if isinstance(state, DTensor) else state
+        sharded = is_dtensor(state)  # this rank holds its local shard
+        local = state.to_local() if is_dtensor(state) else state
         return {prefix.rstrip("."): (local.numel() * local.element_size(), sharded)}
     return {}
 

@@ -55,6 +55,13 @@ class Job:
         return self.config.run.id
 
     @property
+    def gradient_mode_matters(self) -> bool:
+        """Whether parallel.fsdp.reduce_every_microstep changes anything: fsdp sharding over ranks, accumulating
+        micro-steps, no pipeline (a pipeline's stages reduce every micro-step as it is)."""
+        strategy, dims = self.layout
+        return strategy == "fsdp" and dims.pp == 1 and dims.dp_shard > 1 and self.batch.accum_steps > 1
+
+    @property
     def resume(self) -> bool:
         """Whether the run continues from its newest checkpoint (checkpoint.resume, or an elastic launch)."""
         return self.config.checkpoint.resume

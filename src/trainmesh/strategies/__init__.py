@@ -22,10 +22,9 @@ from trainmesh.core.env import DistEnv
 from trainmesh.strategies.base import Objective, Strategy
 from trainmesh.strategies.ddp import DDPStrategy
 from trainmesh.strategies.dp import DataParallelStrategy
-from trainmesh.strategies.fsdp import FSDPStrategy
 from trainmesh.strategies.mesh import ParallelDims, ParallelMesh
-from trainmesh.strategies.pipeline import SCHEDULES, PipelineStrategy, schedule_problem
 from trainmesh.strategies.plan import ParallelPlan
+from trainmesh.strategies.schedules import SCHEDULES, schedule_problem
 from trainmesh.strategies.single import SingleDeviceStrategy
 
 DISTRIBUTED = ("ddp", "fsdp")  # these need a process group even for one process
@@ -164,7 +163,9 @@ def build_strategy(
     every = parallel.activation_checkpointing
 
     def data_parallel() -> Strategy:
-        if name == "fsdp":
+        if name == "fsdp":  # imported here, as the pipeline's: DTensor's second of import where they run
+            from trainmesh.strategies.fsdp import FSDPStrategy
+
             assert mesh is not None
             fsdp = parallel.fsdp
             return FSDPStrategy(
@@ -177,6 +178,8 @@ def build_strategy(
         return SingleDeviceStrategy(env, device, mesh=mesh, activation_checkpointing=every, compile=compile)
 
     if dims.pp > 1:
+        from trainmesh.strategies.pipeline import PipelineStrategy
+
         assert mesh is not None
         return PipelineStrategy(env, device, data_parallel(), parallel.pipeline, mesh=mesh)
     return data_parallel()

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainmesh.core.env import DistEnv
 from trainmesh.precision import Precision
@@ -252,6 +251,8 @@ class Strategy(ABC):
     # -- state --------------------------------------------------------------------------------------
     def state_dicts(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """Model and optimizer state keyed by parameter name, free of wrapper prefixes (DCP-ready)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # here: 1 s of import, for saving
+
         return get_state_dict(module, optimizer)
 
     def load_state_dicts(
@@ -261,6 +262,8 @@ class Strategy(ABC):
         model_state: dict[str, Any],
         optim_state: dict[str, Any],
     ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
     def rank_state(self) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from trainmesh.core.dtensors import is_dtensor
 
 
 def grad_norm(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -26,7 +27,7 @@ def grad_norm(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = 
     squares = torch.zeros((), dtype=torch.float64, device=getattr(device, "type", device))
     for same in _by_layout(held).values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in same if p.grad is not None])
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares += norm.double() ** 2
     if group is not None:
@@ -55,5 +56,5 @@ def _by_layout(params: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         g = p.grad
-        groups[(g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None].append(p)
+        groups[(g.device_mesh, tuple(g.placements)) if is_dtensor(g) else None].append(p)
     return groups

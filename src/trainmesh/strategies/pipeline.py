@@ -18,51 +18,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from trainmesh.config.schema import PIPELINE_SCHEDULES, PipelineConfig
+from trainmesh.config.schema import PipelineConfig
 from trainmesh.core.env import DistEnv
 from trainmesh.precision import Precision
 from trainmesh.strategies.base import Objective, Strategy
 from trainmesh.strategies.gradients import clip_gradients
 from trainmesh.strategies.mesh import ParallelMesh
 from trainmesh.strategies.plan import ParallelPlan
+from trainmesh.strategies.schedules import SCHEDULES, schedule_problem, shared_across_v_message
 
-# our name: (torch's schedule name, stages per rank, placement of stages on ranks)
-SCHEDULES: dict[str, tuple[str, int, str]] = {
-    "gpipe": ("GPipe", 1, "loop"),
-    "1f1b": ("1F1B", 1, "loop"),
-    "interleaved_1f1b": ("Interleaved1F1B", 2, "loop"),
-    "looped_bfs": ("LoopedBFS", 2, "loop"),
-    "interleaved_zero_bubble": ("InterleavedZeroBubble", 2, "loop"),
-    "zbv_zero_bubble": ("ZBVZeroBubble", 2, "v"),
-    "dualpipev": ("DualPipeV", 2, "v"),
-}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-assert tuple(SCHEDULES) == PIPELINE_SCHEDULES, "parallel.pipeline.schedule's choices are the schedules above"
-
-
-def schedule_problem(options: PipelineConfig, pp: int) -> str | None:
-    """What is wrong with running `options` on `pp` pipeline ranks (torch's own conditions), or None."""
-    m, stages = options.microbatches, pp * SCHEDULES[options.schedule][1]
-    given = f"parallel.pipeline.schedule={options.schedule!r} with parallel.pipeline.microbatches={m}"
-    if options.schedule in ("1f1b", "dualpipev") and m < stages:
-        return f"{given}: it needs a micro-batch per stage ({stages}). Fix: --parallel.pipeline.microbatches={stages}."
-    rounds = max(1, m // pp)
-    if options.schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and m % rounds:
-        fits = rounds * pp
-        return (
-            f"{given} on parallel.pp={pp}: it runs micro-batches in rounds of {pp}, so the count must be a "
-            f"multiple of {rounds} (m // pp). Fix: --parallel.pipeline.microbatches={fits}."
-        )
-    return None
-
-
-def shared_across_v_message(schedule: str, names: list[str]) -> str:
-    return (
-        f"parallel.pipeline.schedule={schedule!r} puts the first and the last stage on one rank, and the "
-        f"weight they share ({', '.join(names)}) cannot be shared by two stages under ddp or fsdp replicas, "
-        "tensor parallelism or parallel.meta_init. Fix: a schedule with the stages in a loop (1f1b, "
-        "interleaved_1f1b, looped_bfs, interleaved_zero_bubble)."
-    )
 
 
 class PipelineStrategy(Strategy):

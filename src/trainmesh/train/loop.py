@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
 from trainmesh.checkpoint import step_dir
 from trainmesh.config.schema import Config
 from trainmesh.core.batch import BatchSplit, loss_scale
+from trainmesh.core.dtensors import implicit_replication, is_dtensor
 from trainmesh.core.errors import UserError
 from trainmesh.core.logging import get_logger
 from trainmesh.data.workers import Batches
@@ -153,7 +152,7 @@ def _skips_on_device(s: Session) -> bool:
 def _step_if_finite(rt: Runtime, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
     """The optimizer step, taken on the device only where `grad_norm` is finite; returns that, on the device."""
     finite = torch.isfinite(grad_norm)
-    if isinstance(finite, DTensor):
+    if is_dtensor(finite):
         finite = finite.full_tensor()
     optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
     try:
@@ -331,7 +330,7 @@ class _Loop:
 
 def _plain(value: bool | torch.Tensor) -> torch.Tensor:
     """A number of the step as a plain tensor (a DTensor's whole value; a bool as a CPU tensor)."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return value.full_tensor()
     return value.detach().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from trainmesh.core.dtensors import is_dtensor
 from trainmesh.core.env import read_var
 from trainmesh.core.files import open_file
 from trainmesh.runtime.runtime import Runtime
@@ -70,7 +70,7 @@ def nudge(grad: torch.Tensor, step: int, eps: float) -> None:
     by position and step: about what another order of summation (another process count, another strategy) leaves in
     a gradient. Replicas and tied copies hold equal tensors and get equal noise (under FSDP each shard is scaled by
     its own RMS: it is noise all the same)."""
-    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    local = grad.to_local() if is_dtensor(grad) else grad
     if local.numel() == 0:
         return
     position = torch.arange(local.numel(), dtype=torch.int64, device=local.device).reshape(local.shape)
@@ -81,7 +81,7 @@ def nudge(grad: torch.Tensor, step: int, eps: float) -> None:
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole: collective over its mesh, so its holders call it in the same order."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 class ParityProbe:

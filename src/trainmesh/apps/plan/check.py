@@ -87,7 +87,8 @@ def choose_gradient_mode(jobs: list[Job], cluster: Cluster) -> tuple[list[Job], 
     fsdp = jobs[0].config.parallel.fsdp
     if fsdp.reduce_every_microstep is not None:
         return jobs, ""
-    both = [_both_modes(job, cluster) for job in sorted(jobs, key=lambda j: j.world_size)]
+    matters = [job for job in sorted(jobs, key=lambda j: j.world_size) if job.gradient_mode_matters]
+    both = [_both_modes(job, cluster) for job in matters]  # no estimate where nothing is decided: a launch's second
     # where the mode changes anything (fsdp sharding, accumulating): the smallest such world size
     decided = [(held, sharded) for held, sharded in both if held and sharded and held.candidate != sharded.candidate]
     if not decided:

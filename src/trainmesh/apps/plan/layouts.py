@@ -106,12 +106,7 @@ class Candidate:
             job.batch.micro_batch,
             par.pipeline.microbatches if dims.pp > 1 else 1,
             par.pipeline.schedule,
-            # where the mode changes anything: fsdp sharding over ranks, accumulating, no pipeline
-            kind not in ("ddp", "single")
-            and dims.pp == 1
-            and dims.dp_shard > 1
-            and job.batch.accum_steps > 1
-            and bool(par.fsdp.reduce_every_microstep),  # auto, unresolved: what a worker does, false
+            job.gradient_mode_matters and bool(par.fsdp.reduce_every_microstep),  # auto, unresolved: false, as run
         )
 
     def config(self, base: Config, global_batch: int) -> Config:

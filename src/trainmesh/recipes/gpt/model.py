@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional as F
 
 from trainmesh.config.schema import ModelConfig
+from trainmesh.core.dtensors import is_dtensor
 
 IGNORE_INDEX = -100
 
@@ -234,7 +234,9 @@ def _initial_value(
 
 def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy `full` into `param`, or this rank's part of it when `param` is a DTensor."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(part)
     else:

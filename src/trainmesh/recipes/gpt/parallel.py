@@ -9,18 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainmesh.recipes.gpt.model import GPT, GPTConfig, embed_tokens
 from trainmesh.strategies.blocks import find_blocks
-
-BLOCK_PLAN = {
-    "attn.qkv": ColwiseParallel(),
-    "attn.proj": RowwiseParallel(),
-    "mlp.fc": ColwiseParallel(),
-    "mlp.proj": RowwiseParallel(),
-}
 
 
 def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
@@ -44,11 +35,21 @@ def check_pipeline(cfg: GPTConfig, stages: int) -> None:
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
     """Apply tensor parallelism in place to a GPT or one of its pipeline stages."""
+    # imported here: DTensor's second of import only where tensor parallelism runs (core/dtensors.py)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    block_plan = {  # Megatron's: column-parallel in, row-parallel out, one all-reduce per sub-layer
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
     cfg = model.cfg
     assert isinstance(cfg, GPTConfig)
     check_tensor_parallel(cfg, mesh.size())
     for block in find_blocks(model):
-        parallelize_module(block, mesh, BLOCK_PLAN)
+        parallelize_module(block, mesh, block_plan)
     wte, lm_head = getattr(model, "wte", None), getattr(model, "lm_head", None)
     tied = isinstance(wte, nn.Embedding) and isinstance(lm_head, nn.Linear) and lm_head.weight is wte.weight
     if isinstance(wte, nn.Embedding):  # token ids replicated in, embeddings summed over the vocabulary shards

@@ -29,8 +29,8 @@ from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, init_gpt_w
 from trainmesh.recipes.gpt.parallel import check_pipeline, check_tensor_parallel, parallelize_gpt, pipeline_stage_gpt
 from trainmesh.recipes.gpt.upgrade import fuse_qkv
 from trainmesh.strategies.mesh import ParallelDims
-from trainmesh.strategies.pipeline import SCHEDULES, shared_across_v_message
 from trainmesh.strategies.plan import ParallelPlan
+from trainmesh.strategies.schedules import SCHEDULES, shared_across_v_message
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime

@@ -24,8 +24,8 @@ from trainmesh.recipes.resnet.data import (
 )
 from trainmesh.recipes.resnet.model import DEPTHS, ResNet, ResNetConfig, ResNetStage, count_macs
 from trainmesh.strategies.mesh import ParallelDims
-from trainmesh.strategies.pipeline import SCHEDULES
 from trainmesh.strategies.plan import ParallelPlan
+from trainmesh.strategies.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from trainmesh.runtime.runtime import Runtime

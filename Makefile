@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 NPROC ?= auto
 
-# gpu-check runs tests/gpu, the GPT-2 124M benchmark and the planner's calibration against measured single-GPU
-# layouts (benchmarks/plan_gpu.py). GPU_PY is the Python whose PyTorch has CUDA: by
+# gpu-check runs tests/gpu, the GPT-2 124M benchmark (as configured, reading the loss every step, and at micro-batch
+# 32 with the head fused into the loss) and the planner's calibration against measured single-GPU layouts
+# (benchmarks/plan_gpu.py). GPU_PY is the Python whose PyTorch has CUDA: by
 # default the venv's; on a machine with CUDA PyTorch already installed and no network, `make gpu-check
 # GPU_PY=python3` installs this checkout (editable, no dependencies) into that Python instead, unless it
 # already imports trainmesh from here. Without CUDA the tests are
@@ -72,6 +73,10 @@ gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)
 	$(GPU_PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'devices', torch.cuda.device_count())"
 	OMP_NUM_THREADS=4 $(GPU_PY) -m pytest -q -rs --durations=15 -p no:cacheprovider --timeout=300 tests/gpu $(GPU_TEST_ARGS)
 	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --json $(GPU_OUT)/gpu_gpt2.json $(GPU_BENCH_ARGS)
+	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --log-every 1 --rounds 2 --no-profile \
+		--json $(GPU_OUT)/gpu_gpt2_every1.json $(GPU_BENCH_ARGS)
+	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --micro-batch 32 --rounds 2 --no-profile \
+		--model.loss_chunk_tokens=8192 --json $(GPU_OUT)/gpu_gpt2_chunked32.json $(GPU_BENCH_ARGS)
 	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/plan_gpu.py --json $(GPU_OUT)/plan_gpu.json
 
 clean:

@@ -1,5 +1,5 @@
 """No host read of a step's result inside the training step: trainmesh's own reads (`item`, `float`, `int`, `bool`,
-`tolist`) of floating-point and boolean tensors in a single-process run, counted as the run makes them. On a GPU
+`tolist`) of floating-point and boolean tensors on every rank of a run, counted as the run makes them. On a GPU
 each such read waits for the device to drain, and the next step's kernels start late."""
 
 from __future__ import annotations
@@ -43,18 +43,30 @@ def counted_run(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
     return {**result, "reads": dict(reads)}
 
 
-def test_a_run_reads_its_results_back_at_the_logging_windows_only(tmp_path: Path) -> None:
+# Over ranks, each step's all-reduce (the target count and the stop votes, with the loss it carries for the window)
+# is read back every step: on a GPU that waits for the device (issue 28's open item; strict, so that it is noticed)
+PER_STEP_REDUCE = pytest.mark.xfail(strict=True, reason="the step's all-reduce is read every step over ranks")
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy"),
+    [(1, "single"), pytest.param(2, "ddp", marks=PER_STEP_REDUCE), pytest.param(2, "fsdp", marks=PER_STEP_REDUCE)],
+)
+def test_a_run_reads_its_results_back_at_the_logging_windows_only(tmp_path: Path, world: int, strategy: str) -> None:
     """100 steps, a window every 20: the skip decision, the target count, the loss and the norm come back once a
-    window (and at the final evaluation and checkpoint), under 0.2 reads a step. With the fused AdamW (the default
-    on a GPU) the optimizer skips a non-finite step on the device."""
+    window (and at the final evaluation and checkpoint), under 0.2 reads a step, on every rank of every strategy
+    (the ranks' agreement on a skip and the stop votes included). With the fused AdamW (the default on a GPU) the
+    optimizer skips a non-finite step on the device."""
     run = [
+        f"--parallel.strategy={strategy}",
         f"--train.max_steps={STEPS}",
         "--run.log_every=20",
         "--train.eval_every=0",
         "--optim.fused=true",
         "--train.grad_clip=1.0",
     ]
-    (result,) = run_distributed(counted_run, 1, args=(str(tmp_path), run))
-    reads = result["reads"]
-    assert sum(reads.values()) < 0.2 * STEPS, reads
-    assert len(result["losses"]) == STEPS // 20  # every window logged, with its loss
+    results = run_distributed(counted_run, world, args=(str(tmp_path), run))
+    for rank, result in enumerate(results):
+        reads = result["reads"]
+        assert sum(reads.values()) < 0.2 * STEPS, (rank, reads)
+    assert len(results[0]["losses"]) == STEPS // 20  # every window logged, with its loss

@@ -1,5 +1,7 @@
-"""Model layers that know about the process group (today: SyncBatchNorm with a CPU/gloo path)."""
+"""Model layers trainmesh adds to PyTorch's: SyncBatchNorm with a CPU/gloo path, and a language model's head fused
+with its cross-entropy a chunk of tokens at a time."""
 
+from trainmesh.layers.linear_cross_entropy import linear_cross_entropy
 from trainmesh.layers.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "linear_cross_entropy"]

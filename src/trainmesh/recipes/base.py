@@ -76,6 +76,13 @@ class Recipe(ABC):
         """(model input, targets) of a collated batch; the default reads (input, target) pairs."""
         return batch[0], batch[1]
 
+    def forward(self, module: nn.Module, inputs: Any, targets: Any) -> Any:
+        """The model's output for a batch; the default calls `module(inputs)`. A model that computes its loss with
+        its last layer takes the targets here (the GPT's model.loss_chunk_tokens) and returns the summed loss, which
+        `output_loss` then passes on. Not used where the model runs as pipeline stages."""
+        del targets
+        return module(inputs)
+
     @abstractmethod
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
         """The loss of the model's output *summed* over the targets (normalised by the loop)."""
@@ -93,12 +100,12 @@ class Recipe(ABC):
     def objective(self) -> Objective:
         """The three functions above, as the strategies use them (a pipeline computes the loss on its
         last stage, so the forward and the loss are separate steps)."""
-        return Objective(self.split_batch, self.output_loss, self.output_sums)
+        return Objective(self.split_batch, self.output_loss, self.output_sums, self.forward)
 
     def loss_sum(self, module: nn.Module, batch: Any) -> torch.Tensor:
         """Forward `batch` through `module` and return the summed loss (for use outside the loop)."""
         inputs, targets = self.split_batch(batch)
-        return self.output_loss(module(inputs), targets)
+        return self.output_loss(self.forward(module, inputs, targets), targets)
 
     def check_parallel(self, config: Config, dims: ParallelDims) -> None:
         """Refuse model-parallel settings this recipe's model cannot take (ValueError naming the keys and

@@ -44,6 +44,9 @@ class Objective:
     """(output, targets) -> the loss summed over the targets"""
     sums: Callable[[Any, Any], dict[str, torch.Tensor]]
     """(output, targets) -> validation sums, the summed loss under "loss" (Recipe.output_sums)"""
+    forward: Callable[[nn.Module, Any, Any], Any] = lambda module, inputs, targets: module(inputs)
+    """(module, input, targets) -> output: where the model is not split into pipeline stages, the model may take the
+    targets too (Recipe.forward; a GPT then computes its head with the loss, model.loss_chunk_tokens)"""
 
 
 class Strategy(ABC):
@@ -223,7 +226,7 @@ class Strategy(ABC):
         """
         inputs, targets = objective.split(batch)
         with precision.autocast():
-            loss = objective.loss(module(inputs), targets)
+            loss = objective.loss(objective.forward(module, inputs, targets), targets)
         scaled = loss * scale()
         if mark is not None:
             mark("backward")
@@ -238,7 +241,7 @@ class Strategy(ABC):
         Runs the user's module, outside any data-parallel wrapper (whose forward may communicate)."""
         inputs, targets = objective.split(batch)
         with precision.autocast():
-            sums = objective.sums(self.unwrap(module)(inputs), targets)
+            sums = objective.sums(objective.forward(self.unwrap(module), inputs, targets), targets)
         return sums if self.owns_loss else None
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:

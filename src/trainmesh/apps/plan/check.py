@@ -67,6 +67,11 @@ def memory_lines(job: Job, cluster: Cluster) -> list[str]:
     ]
     if job.config.train.precision == "fp8-mixed":
         lines.append("  (fp8-mixed predicted as bf16-mixed, which holds the same model states and activations)")
+    if isinstance(job.config.model, GPTConfig) and job.config.model.loss_chunk_tokens:
+        lines.append(
+            "  (model.loss_chunk_tokens is not modelled: predicted with the head's logits whole, more than the fused "
+            "head holds; --dry-run measures it)"
+        )
     if not est.fits:
         lines.append(
             f"  WARNING: that is more than the {cluster.usable_memory / GiB:.1f} GiB usable of the "

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from trainmesh.config.schema import ModelConfig
 from trainmesh.core.dtensors import is_dtensor
+from trainmesh.layers.linear_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -52,6 +53,10 @@ class GPTConfig(ModelConfig):
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     init_from: str = ""
     """A local folder of Hugging Face GPT-2 weights (model.safetensors, config.json) to start from; "": random."""
+    loss_chunk_tokens: int = 0
+    """Training's head and loss this many tokens at a time, fused (layers/linear_cross_entropy.py): the (tokens ×
+    vocabulary) logits never exist whole, which frees most activation memory for a larger micro-batch; 0: whole.
+    Not with parallel.pp or parallel.tp > 1. docs/gpu.md gives its measured effect."""
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -71,6 +76,11 @@ class GPTConfig(ModelConfig):
             raise ValueError(f"model.block_size={self.block_size} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(
+                f"model.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0: the head's logits whole; e.g. "
+                "8192: 8192 tokens' logits at a time)"
+            )
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,11 +153,15 @@ class GPT(nn.Module):
         """The seed of the initial weights (`init_gpt_weights` gives a meta-built model the same ones)."""
         init_gpt_weights(self, self.init_seed, weights)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab). Given the `targets` (B, T) with model.loss_chunk_tokens set:
+        their summed cross-entropy (a scalar) instead, the head computed with the loss a chunk at a time."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
+        chunk = self.cfg.loss_chunk_tokens
+        if targets is not None and chunk:
+            return linear_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, chunk, IGNORE_INDEX)
         return self.head(x)
 
     # The two ends of the network, also used by the pipeline stages that hold them (recipes/gpt/parallel.py).
@@ -243,8 +257,12 @@ def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)  # casts: a bf16 file into fp32 parameters, or the reverse
 
 
-def summed_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over non-ignored targets; the loop divides by the global count."""
+def summed_lm_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over non-ignored targets; the loop divides by the global count. `output`: the logits, or
+    the summed loss itself where the GPT computed it with its head (model.loss_chunk_tokens)."""
+    if output.dim() == 0:
+        return output
+    logits = output
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

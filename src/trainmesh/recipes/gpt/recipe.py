@@ -124,12 +124,21 @@ class GPTRecipe(Recipe):
             log.info("%s", describe(cfg))
         return model
 
+    def forward(self, module: nn.Module, inputs: Any, targets: Any) -> Any:
+        return module(inputs, targets)  # the GPT returns logits, or its summed loss with model.loss_chunk_tokens
+
     def output_loss(self, output: Any, targets: Any) -> torch.Tensor:
-        return summed_lm_loss(output, targets)  # logits (B, T, V), targets (B, T)
+        return summed_lm_loss(output, targets)  # logits (B, T, V) or the loss (model.loss_chunk_tokens), targets (B, T)
 
     def check_parallel(self, config: Config, dims: ParallelDims) -> None:
         model = config.model
         assert isinstance(model, GPTConfig)
+        if model.loss_chunk_tokens and dims.pp * dims.tp > 1:  # the stages' head, a vocabulary-parallel head
+            raise ValueError(
+                f"model.loss_chunk_tokens={model.loss_chunk_tokens} fuses the head of a GPT run whole, not one cut "
+                f"by parallel.pp={dims.pp} or parallel.tp={dims.tp}. Fix: --model.loss_chunk_tokens=0, or "
+                "parallel.pp=1 and parallel.tp=1."
+            )
         if dims.tp > 1:
             check_tensor_parallel(model, dims.tp)
         if dims.pp > 1:

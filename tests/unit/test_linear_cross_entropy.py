@@ -1,0 +1,90 @@
+"""The head fused with the loss (layers/linear_cross_entropy.py, `model.loss_chunk_tokens`) against the plain head and
+`F.cross_entropy`: the summed loss and the gradients of the hidden states and the weight, in fp32 and under bf16
+autocast, with ignored targets and chunks of every size; and the settings it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainmesh.apps.plan.check import local_cluster, memory_lines
+from trainmesh.job.spec import load_config, resolve
+from trainmesh.layers.linear_cross_entropy import linear_cross_entropy
+from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
+
+N, C, V = 37, 16, 50  # tokens (not a multiple of any chunk below), width, vocabulary
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, C, generator=gen, requires_grad=True)
+    weight = torch.randn(V, C, generator=gen, requires_grad=True)
+    targets = torch.randint(V, (N,), generator=gen)
+    targets[::5] = IGNORE_INDEX
+    return hidden, weight, targets
+
+
+def _loss_and_grads(fused: int, bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed loss times 0.5 backpropagated (an upstream gradient other than 1): loss, d hidden, d weight."""
+    hidden, weight, targets = _inputs()
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        if fused:
+            loss = linear_cross_entropy(hidden, weight, targets, fused, IGNORE_INDEX)
+        else:  # the plain head: logits in the compute dtype, the loss in fp32
+            loss = F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss * 0.5).backward()
+    assert hidden.grad is not None and weight.grad is not None
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 8, N, 100])
+def test_the_fused_head_equals_the_plain_head_in_fp32(chunk: int) -> None:
+    loss, d_hidden, d_weight = _loss_and_grads(chunk, bf16=False)
+    ref_loss, ref_hidden, ref_weight = _loss_and_grads(0, bf16=False)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(d_hidden, ref_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d_weight, ref_weight, rtol=1e-5, atol=1e-6)
+    assert d_hidden[::5].abs().max() == 0  # ignored targets give their tokens no gradient
+
+
+@pytest.mark.parametrize("chunk", [8, 100])
+def test_under_bf16_autocast_the_fused_head_computes_as_the_plain_one(chunk: int) -> None:
+    """The same bf16 matmuls and fp32 loss; one chunk is the plain head bit for bit, more sum the weight's gradient
+    over chunks in fp32 (closer to exact than one bf16 matmul over every token)."""
+    loss, d_hidden, d_weight = _loss_and_grads(chunk, bf16=True)
+    ref_loss, ref_hidden, ref_weight = _loss_and_grads(0, bf16=True)
+    assert d_hidden.dtype == torch.float32 and d_weight.dtype == torch.float32  # the inputs' dtypes
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(d_hidden, ref_hidden, rtol=0, atol=0)
+    tolerance = 0 if chunk >= N else 1e-2  # bf16 keeps 8 bits: the summed chunks round differently
+    torch.testing.assert_close(d_weight, ref_weight, rtol=tolerance, atol=tolerance)
+
+
+def test_a_gpt_given_targets_returns_its_summed_loss_and_logits_otherwise() -> None:
+    cfg = GPTConfig(size="nano", block_size=8, vocab_size=32, loss_chunk_tokens=5)
+    model = GPT(cfg, seed=0)
+    idx = torch.randint(32, (3, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(idx, -1, dims=1)
+    logits = model(idx)
+    assert logits.shape == (3, 8, 32)
+    fused = model(idx, targets)
+    assert fused.dim() == 0 and summed_lm_loss(fused, targets) is fused  # the recipe's loss passes it on
+    torch.testing.assert_close(fused, summed_lm_loss(logits, targets), rtol=1e-6, atol=0)
+
+
+def test_chunks_are_refused_where_the_head_is_cut_and_below_one_token() -> None:
+    with pytest.raises(ValueError, match=r"model.loss_chunk_tokens=-1 must be >= 0"):
+        load_config(None, ["--model.size=nano", "--model.loss_chunk_tokens=-1"], "gpt")
+    for cut in ("--parallel.pp=2", "--parallel.tp=2"):
+        config = load_config(None, ["--model.size=nano", "--model.loss_chunk_tokens=64", cut], "gpt")
+        with pytest.raises(ValueError, match=r"model.loss_chunk_tokens=64 fuses the head of a GPT run whole.*Fix"):
+            resolve(config, 2)
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        linear_cross_entropy(*_inputs(), 0)
+
+
+def test_check_says_its_memory_line_does_not_model_the_fused_head() -> None:
+    config = load_config(None, ["--model.size=nano", "--model.vocab_size=256", "--model.loss_chunk_tokens=64"], "gpt")
+    lines = memory_lines(resolve(config, 1), local_cluster(1))
+    assert "model.loss_chunk_tokens is not modelled: predicted with the head's logits whole" in lines[-1]

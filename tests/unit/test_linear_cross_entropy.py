@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from trainmesh.apps.plan.check import local_cluster, memory_lines
 from trainmesh.job.spec import load_config, resolve
+from trainmesh.layers import linear_cross_entropy as lce
 from trainmesh.layers.linear_cross_entropy import linear_cross_entropy
 from trainmesh.recipes.gpt.model import GPT, IGNORE_INDEX, GPTConfig, summed_lm_loss
 
@@ -88,3 +89,15 @@ def test_check_says_its_memory_line_does_not_model_the_fused_head() -> None:
     config = load_config(None, ["--model.size=nano", "--model.vocab_size=256", "--model.loss_chunk_tokens=64"], "gpt")
     lines = memory_lines(resolve(config, 1), local_cluster(1))
     assert "model.loss_chunk_tokens is not modelled: predicted with the head's logits whole" in lines[-1]
+
+
+def test_without_gradients_only_the_loss_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation runs under torch.no_grad: the forward must not compute gradients nobody asks for (3 matmuls a
+    chunk instead of 1)."""
+    hidden, weight, targets = _inputs()
+    with_grads = linear_cross_entropy(hidden, weight, targets, 8, IGNORE_INDEX).detach()
+    monkeypatch.setattr(lce._LinearCrossEntropy, "apply", lambda *args: pytest.fail("gradients computed"))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, 8, IGNORE_INDEX)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, with_grads, rtol=0, atol=0)

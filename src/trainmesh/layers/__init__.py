@@ -1,7 +1,6 @@
 """Model layers trainmesh adds to PyTorch's: SyncBatchNorm with a CPU/gloo path, and a language model's head fused
-with its cross-entropy a chunk of tokens at a time."""
+with its cross-entropy a chunk of tokens at a time (layers/linear_cross_entropy.py)."""
 
-from trainmesh.layers.linear_cross_entropy import linear_cross_entropy
 from trainmesh.layers.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "linear_cross_entropy"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]

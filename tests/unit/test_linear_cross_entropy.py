@@ -70,7 +70,9 @@ def test_a_gpt_given_targets_returns_its_summed_loss_and_logits_otherwise() -> N
     logits = model(idx)
     assert logits.shape == (3, 8, 32)
     fused = model(idx, targets)
-    assert fused.dim() == 0 and summed_lm_loss(fused, targets) is fused  # the recipe's loss passes it on
+    assert fused.dim() == 0 and torch.equal(summed_lm_loss(fused, targets), fused)  # the recipe's loss passes it on
+    replicas = torch.stack([fused, 2 * fused])  # nn.DataParallel (parallel.strategy=dp) gathers scalars into a vector
+    torch.testing.assert_close(summed_lm_loss(replicas, targets), 3 * fused)
     torch.testing.assert_close(fused, summed_lm_loss(logits, targets), rtol=1e-6, atol=0)
 
 
@@ -101,3 +103,20 @@ def test_without_gradients_only_the_loss_is_computed(monkeypatch: pytest.MonkeyP
         loss = linear_cross_entropy(hidden, weight, targets, 8, IGNORE_INDEX)
     assert not loss.requires_grad
     torch.testing.assert_close(loss, with_grads, rtol=0, atol=0)
+
+
+def test_an_ignored_tokens_non_finite_state_stays_out_and_double_backward_is_refused() -> None:
+    """As F.cross_entropy: an ignored token's hidden state takes no part, even NaN (a padded position). The gradients
+    are numbers computed in the forward: a second derivative cannot come from them, so asking for one raises."""
+    hidden, weight, targets = _inputs()
+    poisoned = hidden.detach().clone()
+    poisoned[0] = float("nan")  # targets[0] is ignored
+    assert targets[0] == IGNORE_INDEX
+    poisoned.requires_grad_(True)
+    loss = linear_cross_entropy(poisoned, weight, targets, 8, IGNORE_INDEX)
+    ref = F.cross_entropy((poisoned @ weight.T).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    (grad,) = torch.autograd.grad(loss, poisoned, create_graph=True)
+    assert torch.isfinite(grad[1:]).all() and grad[0].abs().max() == 0
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()

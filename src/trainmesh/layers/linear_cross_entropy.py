@@ -49,13 +49,13 @@ def _chunked(
             probs = (h @ w.T).float()  # this chunk's logits, made softmax in place below
             counted = t != ignore
             index = torch.where(counted, t, 0).unsqueeze(1)
-            lse = torch.logsumexp(probs, dim=1)
-            loss += ((lse - probs.gather(1, index).squeeze(1)) * counted).sum()
+            lse = torch.logsumexp(probs, dim=1)  # where, not a product: an ignored token's NaN stays out
+            loss += torch.where(counted, lse - probs.gather(1, index).squeeze(1), 0.0).sum()
             if grad_hidden is None or grad_weight is None:
                 continue
             probs.sub_(lse.unsqueeze(1)).exp_()  # d loss / d logits = softmax - one-hot, on counted tokens
             probs.scatter_add_(1, index, torch.full_like(index, -1, dtype=probs.dtype))
-            probs.mul_(counted.unsqueeze(1))
+            probs.masked_fill_(~counted.unsqueeze(1), 0.0)
             grad_logits = probs.to(dtype)
             del probs
             grad_hidden[start : start + chunk_tokens] = grad_logits @ w
@@ -74,6 +74,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradients are numbers from the forward, not a graph
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.float()

@@ -260,8 +260,8 @@ def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
 def summed_lm_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over non-ignored targets; the loop divides by the global count. `output`: the logits, or
     the summed loss itself where the GPT computed it with its head (model.loss_chunk_tokens)."""
-    if output.dim() == 0:
-        return output
+    if output.dim() <= 1:  # the loss; nn.DataParallel (parallel.strategy=dp) gathers its replicas' into a vector
+        return output.sum()
     logits = output
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"

@@ -43,15 +43,7 @@ def counted_run(rank: int, root: str, overrides: list[str]) -> dict[str, Any]:
     return {**result, "reads": dict(reads)}
 
 
-# Over ranks, each step's all-reduce (the target count and the stop votes, with the loss it carries for the window)
-# is read back every step: on a GPU that waits for the device (issue 28's open item; strict, so that it is noticed)
-PER_STEP_REDUCE = pytest.mark.xfail(strict=True, reason="the step's all-reduce is read every step over ranks")
-
-
-@pytest.mark.parametrize(
-    ("world", "strategy"),
-    [(1, "single"), pytest.param(2, "ddp", marks=PER_STEP_REDUCE), pytest.param(2, "fsdp", marks=PER_STEP_REDUCE)],
-)
+@pytest.mark.parametrize(("world", "strategy"), [(1, "single"), (2, "ddp"), (2, "fsdp")])
 def test_a_run_reads_its_results_back_at_the_logging_windows_only(tmp_path: Path, world: int, strategy: str) -> None:
     """100 steps, a window every 20: the skip decision, the target count, the loss and the norm come back once a
     window (and at the final evaluation and checkpoint), under 0.2 reads a step, on every rank of every strategy

@@ -27,51 +27,35 @@ _OPS = {
 
 
 class PendingReduce:
-    """An all-reduce in flight; `result()` waits once and returns the reduced numbers, `carried()` the reduced
-    values of the tensor that rode along (see `Collectives.all_reduce_async`)."""
+    """Integers of the host summed over ranks, in flight: `result()` waits for them (CPU tensors on a CPU group:
+    reading them never waits for a device); and a tensor of the device summed alongside, read by `carried()` when
+    asked for (a device sync on a GPU). See `Collectives.all_reduce_async`."""
 
     def __init__(
         self,
-        tensor: torch.Tensor | None,
+        counts: torch.Tensor | None,
         work: Any,
-        divisor: int,
-        count: int,
         carry: torch.Tensor | None = None,
-        values: list[float] | None = None,
+        carry_work: Any = None,
+        values: list[int] | None = None,
     ) -> None:
-        self._tensor, self._work, self._divisor, self._count = tensor, work, divisor, count
-        self._carry = carry  # one rank: not reduced, read only when asked for (a device sync on a GPU)
-        self._values = values  # one rank: the numbers as given, never a tensor to read back
+        self._counts, self._work, self._carry, self._carry_work = counts, work, carry, carry_work
+        self._values = values  # one rank: the integers as given
 
-    def result(self) -> list[float]:
-        return self._reduced()[: self._count]
-
-    def carried(self) -> list[float]:
-        return read_carried([self])[0]
-
-    def _reduced(self) -> list[float]:
+    def result(self) -> list[int]:
         if self._values is None:
-            assert self._tensor is not None
-            if self._work is not None:
-                self._work.wait()
-            self._values = [float(v) / self._divisor for v in self._tensor.tolist()]
+            assert self._counts is not None
+            self._work.wait()
+            self._values = [int(v) for v in self._counts.tolist()]
         return self._values
 
-
-def read_carried(reduces: list[PendingReduce]) -> list[list[float]]:
-    """`carried()` of each of `reduces`, with one read of the device for all the carries that one rank kept
-    unreduced (the reduced ones are read with their results)."""
-    local = [r._carry.detach().reshape(-1) for r in reduces if r._carry is not None]
-    values = torch.cat(local).to(torch.float64).tolist() if local else []
-    out = []
-    for r in reduces:
-        if r._carry is None:
-            out.append(r._reduced()[r._count :])
-        else:
-            size = r._carry.numel()
-            out.append([v / r._divisor for v in values[:size]])
-            values = values[size:]
-    return out
+    def carried(self) -> list[float]:
+        """The carried tensor summed over ranks, as numbers ([] when nothing rode along)."""
+        if self._carry is None:
+            return []
+        if self._carry_work is not None:
+            self._carry_work.wait()
+        return [float(v) for v in self._carry.tolist()]
 
 
 class Collectives:
@@ -80,6 +64,7 @@ class Collectives:
     def __init__(self, env: DistEnv, device: torch.device) -> None:
         self.env = env
         self.device = device
+        self._gloo_group: dist.ProcessGroup | None = None  # for CPU tensors beside NCCL (`_host_group`)
 
     # -- who am I ----------------------------------------------------------------------------------
     @property
@@ -113,20 +98,28 @@ class Collectives:
                 tensor /= self.world_size
         return tensor
 
-    def all_reduce_async(
-        self, values: list[float], op: ReduceOp = "sum", carry: torch.Tensor | None = None
-    ) -> PendingReduce:
-        """Start reducing numbers over all ranks; `.result()` waits for them (overlap it with compute). `carry`:
-        a tensor of numbers (on this rank's device) reduced in the same collective, read by `.carried()`: values
-        that would otherwise need a collective of their own (the loop's logged loss and step times)."""
-        if not (self._has_group and self.world_size > 1):  # nothing to reduce: no trip through the device,
-            return PendingReduce(None, None, 1, len(values), carry, [float(v) for v in values])  # nor read-back
-        dtype = torch.float64 if self.device.type == "cpu" else torch.float32
-        tensor = torch.tensor(values, dtype=torch.float64).to(self.device, dtype)
-        if carry is not None:
-            tensor = torch.cat([tensor, carry.detach().reshape(-1).to(dtype)])
-        work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
-        return PendingReduce(tensor, work, self.world_size if op == "mean" else 1, len(values))
+    def all_reduce_async(self, counts: list[int], carry: torch.Tensor | None = None) -> PendingReduce:
+        """Start summing integers of the host (counts, votes) over all ranks; `.result()` waits for them (overlap it
+        with compute). They travel as CPU tensors on a CPU (gloo) group, so reading them never waits for a device.
+        `carry`: a tensor on this rank's device summed alongside, read by `.carried()` only when asked for (the
+        loop's loss and phase times, once a logging window)."""
+        if not (self._has_group and self.world_size > 1):  # nothing to reduce: no collective, no read-back
+            return PendingReduce(None, None, carry, None, [int(v) for v in counts])
+        tensor = torch.tensor(counts, dtype=torch.int64)
+        work = dist.all_reduce(tensor, group=self._host_group(), async_op=True)
+        if carry is None:
+            return PendingReduce(tensor, work)
+        summed = carry.detach().reshape(-1).clone()
+        return PendingReduce(tensor, work, summed, dist.all_reduce(summed, async_op=True))
+
+    def _host_group(self) -> dist.ProcessGroup | None:
+        """The group for CPU tensors: the default one where it is gloo's, else a gloo group of all ranks, made once
+        (collectively: every rank makes it at its first step's all-reduce)."""
+        if "gloo" in str(dist.get_backend()):
+            return None
+        if self._gloo_group is None:
+            self._gloo_group = dist.new_group(backend="gloo")
+        return self._gloo_group
 
     # -- objects and groups (`group`: another group of all ranks, e.g. a background thread's) --------
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:

@@ -95,9 +95,9 @@ def train(
             raise
 
 
-def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tensor) -> StepResult:
-    """Optimizer step `step` (counted from 1): steps 1-5 of docs/internals.md#trainlooppy. `carry`: this
-    rank's loss of earlier steps (and phase times) for the metrics window, reduced in the step's all-reduce."""
+def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tensor | None) -> StepResult:
+    """Optimizer step `step` (counted from 1): steps 1-5 of docs/internals.md#trainlooppy. `carry`: after
+    a logging window, this rank's loss over it and phase times, reduced in the step's all-reduce (train/window.py)."""
     rt, hooks, timer, tcfg = s.runtime, s.hooks, s.profiler, s.config.train
     lr = lr_at(step - 1, s.config.optim, tcfg.max_steps)
     set_lr(s.optimizer, lr)
@@ -106,8 +106,9 @@ def train_step(s: Session, step: int, batches: Iterator[Any], carry: torch.Tenso
         micro_batches = [next(batches) for _ in range(s.split.accum_steps)]  # GPT: (tokens, targets), each (B, T)
     # Counted on the CPU, once per model replica (pipeline and tensor-parallel peers read the same batch).
     local_targets = sum(s.recipe.count_targets(mb) for mb in micro_batches) if rt.strategy.owns_loss else 0
-    # In flight during the first forward: the batch's target count, how many ranks saw SIGTERM, the earlier loss.
-    reduced = rt.all_reduce_async([local_targets, float(hooks.stop_requested)], "sum", carry)
+    # In flight during the first forward: the batch's target count, how many ranks saw SIGTERM (integers of the host:
+    # no device read), and after a logging window that window's loss and times (read back with its record).
+    reduced = rt.all_reduce_async([local_targets, int(hooks.stop_requested)], carry)
     objective = replace(s.objective, loss=hooks.loss(s.objective.loss, step))
 
     def scale() -> float:  # summed loss -> its share of the global mean (core/batch.py), called after each forward

@@ -1,5 +1,6 @@
 """The metrics window: what the loop logs every `run.log_every` steps (loss, throughput, MFU, memory, the step
-breakdown per rank, host and device figures), with no collective of its own: it rides on the steps' all-reduces.
+breakdown per rank, host and device figures). Its loss and phase times ride on the all-reduce of the step after the
+window closes, and are read back then: once a window, never inside other steps.
 
 Details: docs/internals.md#trainwindowpy
 """
@@ -18,7 +19,7 @@ from trainmesh.core.logging import get_logger
 from trainmesh.metrics.breakdown import COMPUTE, PAUSES, PHASES, StepClock
 from trainmesh.metrics.mfu import Peak, mfu
 from trainmesh.metrics.monitor import Monitor
-from trainmesh.runtime.collectives import PendingReduce, read_carried
+from trainmesh.runtime.collectives import PendingReduce
 from trainmesh.runtime.runtime import Runtime
 
 log = get_logger(__name__)
@@ -33,24 +34,21 @@ STRAGGLER_MIN_MS = 1.0
 
 @dataclass
 class Record:
-    """A closed window: its metrics, and the all-reduces that carry (or will carry) its loss."""
+    """A closed window: its metrics, completed by the all-reduce that carries its loss and the ranks' times."""
 
     step: int
     metrics: dict[str, float]
     targets: float
-    reduces: list[PendingReduce] = field(default_factory=list)
     rank_times: list[list[float]] = field(default_factory=list)
     """Per rank: its mean ms per step in each of PHASES (filled in by `complete`)."""
     compute_ms: list[float] = field(default_factory=list)
     """Per rank: its mean ms per step in the COMPUTE phases (filled in by `complete`)."""
 
-    def complete(self, last: list[float] | None = None) -> Record:
+    def complete(self, carried: list[float]) -> Record:
         """Fill in the loss, summed over ranks and steps / targets over ranks and steps, and every rank's phase
-        times (`last`: the carried values of the final step, when no further step carried them)."""
-        carried = read_carried(self.reduces) + ([last] if last is not None else [])
-        summed = sum(values[0] for values in carried)
-        self.metrics["loss"] = summed / self.targets if self.targets else math.nan
-        slots = carried[-1][1:]  # the completing all-reduce carried the ranks' times
+        times, from the `carried` values of the all-reduce that completes the window (`MetricsWindow.carry`)."""
+        self.metrics["loss"] = carried[0] / self.targets if self.targets else math.nan
+        slots = carried[1:]  # each rank's times, in its own slot
         self.rank_times = [slots[i : i + len(PHASES)] for i in range(0, len(slots), len(PHASES))]
         self.compute_ms = compute = [sum(t[PHASES.index(p)] for p in COMPUTE) for t in self.rank_times]
         if compute:
@@ -77,8 +75,7 @@ class MetricsWindow:
     ) -> None:
         self.split, self.runtime, self.flops_per_token, self.peak = split, runtime, flops_per_token, peak
         self.clock, self.monitor = clock, monitor
-        self.unsent = torch.zeros((), dtype=torch.float64, device=runtime.device)  # loss no reduce carried yet
-        self.reduces: list[PendingReduce] = []  # this window's, each carrying its previous step's loss
+        self.unsent = torch.zeros((), dtype=torch.float64, device=runtime.device)  # the window's loss, on the device
         self.targets = 0.0  # over all ranks
         self.steps = 0
         self.skipped = 0  # steps skipped (non-finite gradients, fp16 overflow) in the whole run
@@ -88,12 +85,12 @@ class MetricsWindow:
         self.run_totals_s = dict.fromkeys((*PHASES, *PAUSES), 0.0)  # this rank's, over the whole run
         self._slow_windows = [0] * runtime.world_size
 
-    def carry(self) -> torch.Tensor:
-        """What the next step's all-reduce carries: this rank's loss that no all-reduce has carried yet (the sum
-        starts over), and once a window has closed, this rank's phase times in its slot."""
-        loss, self.unsent = self.unsent, torch.zeros_like(self.unsent)
+    def carry(self) -> torch.Tensor | None:
+        """What the next step's all-reduce carries: once a window has closed, this rank's loss over it (the sum
+        starts over) and its phase times in its slot; else nothing (the loss adds up on the device)."""
         if self.closed is None:
-            return loss
+            return None
+        loss, self.unsent = self.unsent, torch.zeros_like(self.unsent)
         slots = torch.zeros(self.runtime.world_size * len(PHASES), dtype=torch.float64)
         slots[self.runtime.rank * len(PHASES) : (self.runtime.rank + 1) * len(PHASES)] = torch.tensor(
             self.own_times, dtype=torch.float64
@@ -101,14 +98,12 @@ class MetricsWindow:
         return torch.cat([loss.reshape(1), slots.to(loss.device)])
 
     def take(self, reduce: PendingReduce) -> Record | None:
-        """A step's all-reduce, which carried the loss of the steps before it. Returns the window closed at the
-        previous step, now complete, if there is one."""
+        """A step's all-reduce. Returns the window closed at the previous step, completed by what this one carried
+        (read back now: once a window), if there is one."""
         done, self.closed = self.closed, None
         if done is None:
-            self.reduces.append(reduce)
             return None
-        done.reduces.append(reduce)  # it carried the closed window's last step
-        return self._checked(done.complete())
+        return self._checked(done.complete(reduce.carried()))
 
     def count(self, step_loss: torch.Tensor, global_targets: float, stepped: bool) -> None:
         """A step's loss and targets, once it is known whether it was taken (the logged loss is that of the steps
@@ -155,26 +150,26 @@ class MetricsWindow:
             metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
         if self.monitor is not None:
             metrics |= self.monitor.take()
-        self.closed = Record(step, metrics, self.targets, self.reduces)
-        self.reduces, self.targets, self.steps, self.start = [], 0.0, 0, now
+        self.closed = Record(step, metrics, self.targets)
+        self.targets, self.steps, self.start = 0.0, 0, now
 
     def abort(self, reduce: PendingReduce | None) -> Record | None:
         """The window closed at the last step, completed by the all-reduce of a step that then failed (it carried
-        that window's last loss; `reduce` None: no step carried it, so `flush`)."""
+        that window; `reduce` None: no step carried it, so `flush`)."""
         if reduce is None or self.closed is None:
             return self.flush()
         done, self.closed = self.closed, None
-        done.reduces.append(reduce)
-        return self._checked(done.complete())
+        return self._checked(done.complete(reduce.carried()))
 
     def flush(self) -> Record | None:
-        """Collective: the window closed at the last step, completed now by an all-reduce of what no step has
-        carried yet (at the end, and before a checkpoint, so that a resume finds every record before it)."""
-        if self.closed is None:
+        """Collective: the window closed at the last step, completed now by an all-reduce of its own (at the end,
+        and before a checkpoint, so that a resume finds every record before it)."""
+        carry = self.carry()
+        if self.closed is None or carry is None:
             return None
-        last = self.runtime.all_reduce(self.carry(), "sum").reshape(-1).tolist()
+        carried = self.runtime.all_reduce(carry, "sum").reshape(-1).tolist()
         done, self.closed = self.closed, None
-        return self._checked(done.complete(last))
+        return self._checked(done.complete(carried))
 
     def _checked(self, record: Record) -> Record:
         """Warn (rank 0) of a rank whose compute time stays STRAGGLER_RATIO × the median's or more."""

@@ -62,3 +62,31 @@ def test_a_run_reads_its_results_back_at_the_logging_windows_only(tmp_path: Path
         reads = result["reads"]
         assert sum(reads.values()) < 0.2 * STEPS, (rank, reads)
     assert len(results[0]["losses"]) == STEPS // 20  # every window logged, with its loss
+
+
+def host_group_rank(rank: int, backend: str) -> tuple[list[int], bool]:
+    """The step's integers summed with the default group reporting `backend` (what NCCL, MPI or a device-type
+    backend would say); whether a gloo group of its own was made for them."""
+    from trainmesh.config.schema import DistConfig
+    from trainmesh.runtime.runtime import Runtime
+
+    rt = Runtime(dist_config=DistConfig(device="cpu", backend="gloo", timeout_s=20), strategy="ddp")
+    real = torch.distributed.get_backend
+    torch.distributed.get_backend = lambda group=None: backend  # type: ignore[assignment]
+    try:
+        counts = rt.all_reduce_async([rank + 1, 1]).result()
+    finally:
+        torch.distributed.get_backend = real
+        made = rt._gloo_group is not None
+        rt.teardown()
+    return counts, made
+
+
+@pytest.mark.parametrize(
+    ("backend", "own_group"), [("gloo", False), ("mpi", False), ("cpu:gloo,cuda:nccl", False), ("nccl", True)]
+)
+def test_the_steps_integers_travel_on_a_cpu_group(backend: str, own_group: bool) -> None:
+    """Beside NCCL, a gloo group of all ranks (made at the first step, with dist.timeout_s); where the default group
+    takes CPU tensors itself, that one."""
+    for counts, made in run_distributed(host_group_rank, 2, args=(backend,)):
+        assert counts == [3, 2] and made == own_group

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, Literal, TypeVar, cast
 
 import torch
@@ -61,9 +62,10 @@ class PendingReduce:
 class Collectives:
     """This process's place in the job (`env`) and collectives over all its ranks, on `device`'s tensors."""
 
-    def __init__(self, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, env: DistEnv, device: torch.device, timeout_s: float | None = None) -> None:
         self.env = env
         self.device = device
+        self._timeout = timedelta(seconds=timeout_s) if timeout_s else None  # of the groups made here (dist.timeout_s)
         self._gloo_group: dist.ProcessGroup | None = None  # for CPU tensors beside NCCL (`_host_group`)
 
     # -- who am I ----------------------------------------------------------------------------------
@@ -113,12 +115,15 @@ class Collectives:
         return PendingReduce(tensor, work, summed, dist.all_reduce(summed, async_op=True))
 
     def _host_group(self) -> dist.ProcessGroup | None:
-        """The group for CPU tensors: the default one where it is gloo's, else a gloo group of all ranks, made once
-        (collectively: every rank makes it at its first step's all-reduce)."""
-        if "gloo" in str(dist.get_backend()):
+        """The group for CPU tensors: the default one where it has a CPU backend (gloo, MPI, "cpu:gloo,cuda:nccl"),
+        else a gloo group of all ranks beside NCCL, made once (collectively: every rank makes it at its first step's
+        all-reduce). Its all-reduce is a TCP round between hosts each step: microseconds on a node, about a network
+        round trip per rank doubling across nodes."""
+        backend = str(dist.get_backend())
+        if backend in ("gloo", "mpi") or "cpu:" in backend:
             return None
         if self._gloo_group is None:
-            self._gloo_group = dist.new_group(backend="gloo")
+            self._gloo_group = self.new_group()
         return self._gloo_group
 
     # -- objects and groups (`group`: another group of all ranks, e.g. a background thread's) --------
@@ -143,7 +148,9 @@ class Collectives:
 
     def new_group(self) -> dist.ProcessGroup | None:
         """Collective: a second gloo group of all ranks (None without a process group)."""
-        return dist.new_group(backend="gloo") if self._has_group else None
+        if not self._has_group:
+            return None
+        return dist.new_group(backend="gloo", timeout=self._timeout)  # None: torch's default
 
     # -- one rank's work, every rank's outcome -----------------------------------------------------
     @contextlib.contextmanager

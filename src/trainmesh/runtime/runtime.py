@@ -87,7 +87,7 @@ class Runtime(Collectives):
             layout = resolve_parallelism(parallel, env.world_size)
             check_layout(parallel, layout, precision, float8)
         assert layout.dims.world_size == env.world_size, f"{layout} resolved for another world size"
-        super().__init__(env, select_device(dist_config.device, env))
+        super().__init__(env, select_device(dist_config.device, env), dist_config.timeout_s)
         if torch.distributed.is_initialized():  # adopted as it is: its backend must be what was asked for
             self.backend = group_backend(dist_config.backend, self.device)
         else:

@@ -61,7 +61,7 @@ class TrainResult:
 class StepResult:
     loss: torch.Tensor
     """This rank's loss summed over its micro-batches, shape () in float64 (on the device: no host sync)."""
-    targets: float
+    targets: int
     """Targets in the whole global batch."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping, shape ()."""
@@ -69,10 +69,10 @@ class StepResult:
     stepped: bool | torch.Tensor
     """False when the step was skipped (fp16 overflow, or a non-finite gradient with nonfinite=skip). A bool tensor
     on the device when the optimizer took the decision there (`_step_if_finite`): the loop reads it later."""
-    stop_votes: float
+    stop_votes: int
     """Ranks that received SIGTERM or Ctrl-C before this step."""
     reduce: PendingReduce
-    """The step's all-reduce, which also carried the loss of the steps before it (for the metrics window)."""
+    """The step's all-reduce, which after a logging window also carried that window's loss (train/window.py)."""
 
 
 def train(
@@ -346,7 +346,8 @@ class NonFiniteError(UserError, RuntimeError):
     def __init__(self, message: str, reduce: PendingReduce | None = None) -> None:
         super().__init__(message)
         self.reduce = reduce
-        """The failing step's all-reduce, which carried the last window's loss (the loop completes it)."""
+        """The failing step's all-reduce, which carried the window closed at the step before, if one was (the loop
+        completes it)."""
 
 
 def _nonfinite(s: Session, step: int, step_loss: torch.Tensor, reduced: PendingReduce) -> bool:

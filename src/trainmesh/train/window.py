@@ -80,7 +80,7 @@ class MetricsWindow:
         self.steps = 0
         self.skipped = 0  # steps skipped (non-finite gradients, fp16 overflow) in the whole run
         self.start = time.perf_counter()
-        self.closed: Record | None = None  # closed at the previous step; its last step's loss still to come
+        self.closed: Record | None = None  # closed at the previous step; its loss still to come
         self.own_times: list[float] = []  # this rank's ms per step in each phase, for the closed record
         self.run_totals_s = dict.fromkeys((*PHASES, *PAUSES), 0.0)  # this rank's, over the whole run
         self._slow_windows = [0] * runtime.world_size

@@ -9,13 +9,15 @@ NPROC ?= auto
 
 # gpu-check runs tests/gpu, the GPT-2 124M benchmark (as configured, reading the loss every step, and at micro-batch
 # 32 with the head fused into the loss) and the planner's calibration against measured single-GPU layouts
-# (benchmarks/plan_gpu.py). GPU_PY is the Python whose PyTorch has CUDA: by
+# (benchmarks/plan_gpu.py), then Runtime in a user's loop against a raw loop, Fabric and Accelerate
+# (benchmarks/library_loop.py; GPU_WHEELS: a folder of wheels for the last two, for a machine without network). GPU_PY is the Python whose PyTorch has CUDA: by
 # default the venv's; on a machine with CUDA PyTorch already installed and no network, `make gpu-check
 # GPU_PY=python3` installs this checkout (editable, no dependencies) into that Python instead, unless it
 # already imports trainmesh from here. Without CUDA the tests are
 # skipped and the benchmark runs a tiny CPU version, so the target works everywhere.
 GPU_PY ?= $(PY)
 GPU_OUT ?= runs/gpu-check
+GPU_WHEELS ?=
 
 # test-ray runs the optional Ray Train tier (tests/ray_train: trainmesh inside TorchTrainer on a local 2-CPU Ray) in
 # a venv of its own, RAY_VENV, with the [ray] extra: Ray is large and trainmesh does not need it, so `make test`'s
@@ -78,6 +80,8 @@ gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)
 	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/gpu_gpt2.py --micro-batch 32 --rounds 2 --no-profile \
 		--model.loss_chunk_tokens=8192 --json $(GPU_OUT)/gpu_gpt2_chunked32.json $(GPU_BENCH_ARGS)
 	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/plan_gpu.py --json $(GPU_OUT)/plan_gpu.json
+	$(if $(GPU_WHEELS),$(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) lightning accelerate || true)
+	OMP_NUM_THREADS=4 $(GPU_PY) benchmarks/library_loop.py --json $(GPU_OUT)/library_loop.json
 
 clean:
 	rm -rf $(VENV) $(RAY_VENV) runs .pytest_cache .mypy_cache .ruff_cache

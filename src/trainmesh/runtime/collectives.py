@@ -117,8 +117,8 @@ class Collectives:
     def _host_group(self) -> dist.ProcessGroup | None:
         """The group for CPU tensors: the default one where it has a CPU backend (gloo, MPI, "cpu:gloo,cuda:nccl"),
         else a gloo group of all ranks beside NCCL, made once (collectively: every rank makes it at its first step's
-        all-reduce). Its all-reduce is a TCP round between hosts each step: microseconds on a node, about a network
-        round trip per rank doubling across nodes."""
+        all-reduce). Its all-reduce is a few TCP messages a step: microseconds within a node, network round trips
+        across nodes (not yet timed there)."""
         backend = str(dist.get_backend())
         if backend in ("gloo", "mpi") or "cpu:" in backend:
             return None

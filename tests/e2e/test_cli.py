@@ -206,9 +206,12 @@ def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> No
         "--sample.max_new_tokens=10",
         cwd=tmp_path,
         timeout=300,
+        env={**ENV, "TORCH_LOGS": "recompiles"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sample from the trained model" in result.stderr
+    # two graphs, evaluation's (no grad) and training's; the sample runs eagerly (compiling its shapes costs more)
+    assert result.stderr.count("Recompiling function") == 1, result.stderr[-3000:]
     from torch.distributed.checkpoint import FileSystemReader
 
     (checkpoint,) = list_checkpoints(tmp_path / "runs" / "c")

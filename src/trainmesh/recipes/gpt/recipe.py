@@ -183,7 +183,9 @@ class GPTRecipe(Recipe):
         gen = torch.Generator(device=runtime.device).manual_seed(config.run.seed)
         was_training = model.training
         model.eval()
-        with runtime.autocast(), torch.random.fork_rng(devices=[]):
+        # eager even under train.compile: a few tokens at batch 1 and a growing length would compile the model
+        # twice more (once at that shape, once with lengths dynamic), 15 s of the nano model's on this CPU
+        with runtime.autocast(), torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
             out = model.generate(idx, sample.max_new_tokens, sample.temperature, sample.top_k)
         model.train(was_training)

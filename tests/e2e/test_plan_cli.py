@@ -155,15 +155,15 @@ def test_several_nodes_get_a_rendezvous_in_the_command(tmp_path: Path, capsys: p
     assert sum(o.startswith("--parallel.strategy=") for o in command) == 1  # the layout's, not also the user's
 
 
-SEVEN_B = (
-    *("--model.n_layer=32", "--model.n_head=32", "--model.n_embd=4096", "--model.vocab_size=32000"),
+SEVEN_B_WIDE = (  # the 7B's width, context and vocabulary (benchmarks/plan_dryrun.py's); 8 of its 32 blocks
+    *("--model.n_layer=8", "--model.n_head=32", "--model.n_embd=4096", "--model.vocab_size=32000"),
     *("--model.block_size=4096", "--train.precision=bf16-mixed", "--train.global_batch_tokens=0"),
 )
 
 
-def test_check_dry_run_of_a_7b_job_at_64_ranks_allocates_nothing_of_its_size(tmp_path: Path) -> None:
-    """The 7B model's state alone is 100 GiB; the dry run of its fsdp(64) job here stays in a few hundred MiB and
-    agrees with the plan on every component."""
+def test_check_dry_run_of_a_7b_wide_job_at_64_ranks_allocates_nothing_of_its_size(tmp_path: Path) -> None:
+    """The model's state alone is 26 GiB (the whole 7B's, 100 GiB, is in the table of docs/plan_dryrun.json); the
+    dry run of its fsdp(64) job here stays in a few hundred MiB and agrees with the plan on every component."""
     flags = ["--nproc-per-node", "8", "--nnodes", "8", "--rdzv-endpoint", "10.0.0.1:29400", "--cluster", "h100"]
     layout = ["--parallel.strategy=fsdp", "--train.micro_batch=1", "--train.global_batch=128"]
     script = (
@@ -171,7 +171,7 @@ def test_check_dry_run_of_a_7b_job_at_64_ranks_allocates_nothing_of_its_size(tmp
         "print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, "check", "gpt", *SEVEN_B, *layout, *flags, "--dry-run"],
+        [sys.executable, "-c", script, "check", "gpt", *SEVEN_B_WIDE, *layout, *flags, "--dry-run"],
         capture_output=True,
         text=True,
         timeout=240,

@@ -282,10 +282,15 @@ def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, i
         blocks_backward += 0.0 if gathered else units_held
         blocks_backward += 0.0 if state.unsharded_grads else root + block
     elif not gathered:  # a schedule regathers units for each piece's backward: the root and two of the stage's
-        # blocks during a block's (three when a recomputed forward prefetches another), or a unit twice (its
-        # all-gather buffer and the parameters) as it is copied out
-        during = root + min(shape.blocks, 3 if shape.checkpointed else 2) * block
-        blocks_backward = max(blocks_backward + during, 2 * (root + block))
+        # blocks during a block's (three when a recomputed forward prefetches another; on the last stage without
+        # checkpointing, one: the prefetched block is not there yet at the peak, as without a pipeline), or the
+        # root twice (its all-gather buffer and its parameters, as they are copied out) beside a block. On a
+        # checkpointed last stage the moment is the end of the recomputed forward (the dry run finds the peak at the
+        # block's last dropout), before backward has made any weight's gradient.
+        if shape.last and shape.checkpointed:
+            blocks_backward -= shape.weight_grad
+        blocks = 3 if shape.checkpointed else 1 if shape.last else 2
+        blocks_backward = max(blocks_backward + root + min(shape.blocks, blocks) * block, 2 * root + block)
     return blocks_backward
 
 

@@ -182,7 +182,7 @@ def test_check_dry_run_of_a_7b_wide_job_at_64_ranks_allocates_nothing_of_its_siz
     assert "dry run here (1 rank(s) of 64" in done.stdout
     assert "the plan agrees within 5% on every component and the peak" in done.stdout, done.stdout
     peak_line = next(line for line in done.stdout.splitlines() if line.strip().startswith("rank 0: peak"))
-    assert "GiB" in peak_line  # tens of GiB per rank of the real job...
+    assert "GiB" in peak_line  # GiB per rank of the real job...
     maxrss_gib = int(done.stdout.split("maxrss_kib")[1].split()[0]) / 2**20
     assert maxrss_gib < 2  # ...of which nothing is allocated here
 

@@ -283,14 +283,15 @@ def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, i
         blocks_backward += 0.0 if state.unsharded_grads else root + block
     elif not gathered:  # a schedule regathers units for each piece's backward: the root and two of the stage's
         # blocks during a block's (three when a recomputed forward prefetches another; on the last stage without
-        # checkpointing, one: the prefetched block is not there yet at the peak, as without a pipeline), or the
-        # root twice (its all-gather buffer and its parameters, as they are copied out) beside a block. On a
-        # checkpointed last stage the moment is the end of the recomputed forward (the dry run finds the peak at the
-        # block's last dropout), before backward has made any weight's gradient.
+        # checkpointing, one: the prefetched block is not there yet at the peak, as without a pipeline), or units
+        # twice (an all-gather buffer beside the parameters copied out of it): the root and a block both, or on a
+        # stage of one block the larger of the two. On a checkpointed last stage the moment is the end of the
+        # recomputed forward (the dry run finds the peak at the block's last dropout): no weight's gradient yet.
         if shape.last and shape.checkpointed:
             blocks_backward -= shape.weight_grad
         blocks = 3 if shape.checkpointed else 1 if shape.last else 2
-        blocks_backward = max(blocks_backward + root + min(shape.blocks, blocks) * block, 2 * root + block)
+        copied = 2 * (root + block) if shape.blocks > 1 else root + block + max(root, block)
+        blocks_backward = max(blocks_backward + root + min(shape.blocks, blocks) * block, copied)
     return blocks_backward
 
 

@@ -29,7 +29,7 @@ def stage_memory(
     state = _state(shape, cand, precision, accum)
     units = _fsdp_units(shape, cand, precision)
     in_block = _block_backward(spec, shape, cand, precision)
-    temporaries = _step_moments(shape, cand, precision, accum, state, units, in_block)
+    temporaries = _step_moments(spec, shape, cand, precision, accum, state, units, in_block)
     if cand.pp > 1:
         temporaries = _pipeline_moments(spec, shape, cand, precision, accum, state, units, in_block, temporaries)
     parts = {
@@ -237,6 +237,7 @@ def _copies_gradients(shape: _StageShape, cand: Candidate) -> float:
 
 
 def _step_moments(
+    spec: ModelSpec,
     shape: _StageShape,
     cand: Candidate,
     precision: PrecisionBytes,
@@ -260,27 +261,35 @@ def _step_moments(
     loss_forward = logits + compute_copy + (kept - 1) * output + checkpointed_copies if last else 0.0
     # a pipeline's last stage keeps each piece's output, the compute-dtype logits, until that piece's backward
     loss_backward = 2 * logits + (kept * output + shape.cached if cand.pp > 1 and last else 0.0)
-    blocks_backward = _last_block_backward(shape, state, units, in_block)
     no_grads_yet = state.grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
+    blocks_backward = _blocks_backward(spec, shape, cand, precision, state, units, in_block, no_grads_yet > 0)
     temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
     return max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
 
 
-def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, in_block: float) -> float:
-    """Bytes the moment of the last block's backward holds beside the parts: what the block's backward holds
-    (`in_block`) and under FSDP the units it gathers and their gradients."""
+def _blocks_backward(
+    spec: ModelSpec,
+    shape: _StageShape,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    state: _State,
+    units: _FsdpUnits,
+    in_block: float,
+    grads_pending: bool,
+) -> float:
+    """Bytes the blocks' backward holds beside the parts at its largest moment: what a block's backward holds
+    (`in_block`) and under FSDP the units it gathers and, without a pipeline, their gradients."""
     if not shape.fsdp:
         return in_block + shape.weight_grad
+    if not shape.in_pipeline and not state.unsharded_grads:
+        return _fsdp_blocks_backward(spec, shape, cand, precision, in_block, units, grads_pending)
     # FSDP's root unit and the block computing (held in `gathered` already under grad-op; the block that backward
-    # prefetches is not there yet at the peak, the dry run finds, but with checkpointing the recomputed forward's
-    # prefetch is), and the gradients of the root and the block, in the gathered dtype (FSDP's param_dtype) before
-    # they are reduced (while they accumulate unsharded, they are in `grads` already)
+    # prefetches is not there yet at the last block's peak, the dry run finds, but with checkpointing the recomputed
+    # forward's prefetch is). Gradients accumulating unsharded are in `grads` already.
     root, block, gathered = units.root, units.block, units.gathered
     blocks_backward = in_block + shape.weight_grad
     if not shape.in_pipeline:
-        units_held = root + (2 if shape.checkpointed else 1) * block  # a recomputed forward prefetches the next block
-        blocks_backward += 0.0 if gathered else units_held
-        blocks_backward += 0.0 if state.unsharded_grads else root + block
+        blocks_backward += 0.0 if gathered else root + (2 if shape.checkpointed else 1) * block
     elif not gathered:  # a schedule regathers units for each piece's backward: the root and two of the stage's
         # blocks during a block's (three when a recomputed forward prefetches another; on the last stage without
         # checkpointing, one: the prefetched block is not there yet at the peak, as without a pipeline), or units
@@ -293,6 +302,44 @@ def _last_block_backward(shape: _StageShape, state: _State, units: _FsdpUnits, i
         copied = 2 * (root + block) if shape.blocks > 1 else root + block + max(root, block)
         blocks_backward = max(blocks_backward + root + min(shape.blocks, blocks) * block, copied)
     return blocks_backward
+
+
+def _fsdp_blocks_backward(
+    spec: ModelSpec,
+    shape: _StageShape,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    in_block: float,
+    units: _FsdpUnits,
+    grads_pending: bool,
+) -> float:
+    """Without a pipeline, FSDP reduce-scattering each block's gradients as its backward ends: the bytes beside the
+    parts at the largest moment of the blocks' backward (found with the dry run: for a 7B at 512 ranks, not the last
+    block's but the second's, or under hybrid sharding the second-to-last's to run)."""
+    act, tokens, c = shape.act, shape.piece * spec.seq, spec.n_embd
+    compute, stream = precision.activation, shape.stream
+    blocks = [p for p in shape.held if p.block is not None]
+    # As a block's backward runs its MLP's: the hidden state's gradient and a matmul input's (and the stream's), the
+    # largest weight's gradient as it is made, and the head's (its matmul's part of the tied weight's gradient)
+    hidden = tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
+    weight_grad = param_bytes([max(blocks, key=lambda p: math.prod(p.shape))], cand.tp, 1, precision.gather)
+    head = max((p for p in shape.held if p.block is None), key=lambda p: math.prod(p.shape))
+    in_backward = in_block + hidden + weight_grad + param_bytes([head], cand.tp, 1, precision.gather)
+    # The loss's saved tensors are freed by then. Gathered: the root and the block computing, and the block backward
+    # prefetches, which in the last block's is there only under checkpointing (its recomputed forward's prefetch);
+    # under grad-op the whole stage, each block resharded as its backward ends. The block before's gradients wait in
+    # their reduce-scatter's fp32 input until the next reduce-scatter; each block done has freed what it saved and,
+    # in a step's only micro-step, made its sharded gradients.
+    root, block = units.root, units.block
+    reducing = block / precision.gather * 4
+    saved = act.checkpointed_block if shape.checkpointed == shape.blocks else act.per_block
+    made = param_bytes(blocks, cand.tp, shape.shard, 4) / shape.blocks if grads_pending else 0.0
+    most = in_backward - act.outside + (0.0 if units.gathered else root + block + (block if shape.checkpointed else 0))
+    for done in range(1, shape.blocks):  # blocks whose backward has ended
+        prefetched = block if done < shape.blocks - 1 else 0.0  # the first block's prefetches no other
+        held = -done * block if units.gathered else root + block + prefetched
+        most = max(most, in_backward - act.outside + held + reducing + done * (made - saved))
+    return most
 
 
 def _pipeline_moments(

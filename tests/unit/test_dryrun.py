@@ -222,6 +222,27 @@ def test_every_kind_of_pipeline_dry_runs(overrides: list[str], micro_steps: int)
     assert all(r.peak > r.components["params"] > 0 for r in run.ranks)
 
 
+def test_fsdp_blocks_backward_with_every_other_block_checkpointed_agrees_with_the_plan() -> None:
+    """A small model (short sequences: gradients outweigh activations) in bf16-true with every other block
+    checkpointed: the peak is in a block's attention backward, most of the block's weight gradients made, beside the
+    block before's reduce-scatter input; only checkpointed blocks recompute, and the gradients made are bf16."""
+    config = load_config(
+        None,
+        [
+            *("--model.n_layer=4", "--model.n_head=8", "--model.n_embd=512", "--model.vocab_size=512"),
+            *("--model.block_size=128", "--train.precision=bf16-true", "--train.global_batch_tokens=0"),
+            *("--parallel.strategy=fsdp", "--parallel.activation_checkpointing=2", "--train.micro_batch=1"),
+            "--train.global_batch=8",
+        ],
+        "gpt",
+    )
+    (comparison,) = compare(dry_run(resolve(config, 8)), config, get_cluster("h100", 1, 8))
+    assert not comparison.disagreements(0.01), {
+        part: (round(comparison.predicted[part] / MiB, 2), round(comparison.measured[part] / MiB, 2))
+        for part in (*COMPONENTS, "peak")
+    }
+
+
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "plan_dryrun.json"
 
 

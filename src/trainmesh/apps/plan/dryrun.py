@@ -313,18 +313,15 @@ def compare(run: DryRun, config: Config, cluster: Cluster) -> list[Comparison]:
     the job as the user asked for it (the plan predicts 16-mixed as bf16-mixed too; fp8-mixed it refuses)."""
     job = run.job
     cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
+    if cand.kind == "fsdp-offload":  # on this CPU offload moves nothing (host memory is the device's): the dry run
+        cand = dataclasses.replace(cand, kind="fsdp")  # measures the FSDP job it offloads, byte for byte
     precision = PrecisionBytes(RUN_AS.get(config.train.precision, config.train.precision))
     out = []
     for rank in run.ranks:
         # the micro-steps run (two show any number: the plan's figures differ only between one and more)
         steps = min(job.batch.accum_steps, run.micro_steps)
-        parts, host = stage_memory(spec, cand, precision, cluster, steps, rank.stage)
-        # Offloaded state lives in host memory, where the fake step on this CPU puts everything. Gradients are on
-        # the device while they accumulate, in host memory once reduced: never both at once.
-        predicted = {part: parts[part] + host.get(part, 0.0) for part in COMPONENTS}
-        predicted["grads"] = max(parts["grads"], host.get("grads", 0.0))
-        if host and steps == 1:  # nor do the offloaded gradients exist yet at the loss's moments
-            predicted["temporaries"] = max(0.0, predicted["temporaries"] - host.get("grads", 0.0))
+        predicted, _ = stage_memory(spec, cand, precision, cluster, steps, rank.stage)
+        predicted = {part: predicted[part] for part in COMPONENTS}
         out.append(Comparison(rank, {**predicted, "peak": sum(predicted.values())}))
     return out
 
@@ -358,7 +355,16 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
                 f"    the plan differs on {part}: {predicted:.2f} {unit} predicted, {measured[part] / scale:.2f} "
                 f"{unit} here ({comparison.error(part):.0%})"
             )
-    most = run.most_loaded.peak
+    most = float(run.most_loaded.peak)
+    if job.config.parallel.fsdp.cpu_offload and job.layout.strategy == "fsdp":
+        host = _host_bytes(job, cluster, run.most_loaded.stage)
+        most -= host
+        unit, scale = size_unit(host)
+        lines.append(
+            f"  CPU offload moves nothing here (host memory is this machine's only memory): measured, and compared, "
+            f"is the FSDP job it offloads; on the devices {host / scale:.2f} {unit} of it (parameters, optimizer "
+            "state, reduced gradients) is in host memory instead"
+        )
     if most > cluster.usable_memory:
         unit, scale = size_unit(most)
         usable = cluster.usable_memory / scale
@@ -367,3 +373,11 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
             f"per {cluster.device} rank{where_from(cluster)}. Fix: see `trainmesh plan` for layouts that fit."
         )
     return lines
+
+
+def _host_bytes(job: Job, cluster: Cluster, stage: int) -> float:
+    """What CPU offload keeps in host memory on a rank of `stage`, by the plan."""
+    cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
+    precision = PrecisionBytes(RUN_AS.get(job.config.train.precision, job.config.train.precision))
+    _, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, stage)
+    return sum(host.values())

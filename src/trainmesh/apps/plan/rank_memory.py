@@ -211,13 +211,17 @@ def _block_backward(spec: ModelSpec, shape: _StageShape, cand: Candidate, precis
     # inside a pipeline's autocast, a recomputed forward finds its weights' copies cached: it makes none again
     recomputed = act.recompute_peak - (act.block_weight_copy if cand.pp > 1 else 0)
     in_block = (recomputed if shape.checkpointed else 0.0) + shape.cached
-    if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment (the MLP's hidden gradient and a
-        # matmul input's, in the compute dtype, and the stream's)
-        tokens, c, compute, stream = shape.piece * spec.seq, spec.n_embd, precision.activation, shape.stream
-        in_block += tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
-        in_block += _copies_gradients(shape, cand)
+    if cand.pp > 1:  # on a stage without the loss, a block's backward is the moment
+        in_block += _mlp_gradients(spec, shape, cand, precision) + _copies_gradients(shape, cand)
         in_block += shape.kept * shape.output if shape.last else 0.0
     return in_block
+
+
+def _mlp_gradients(spec: ModelSpec, shape: _StageShape, cand: Candidate, precision: PrecisionBytes) -> float:
+    """As a block's backward runs its MLP's: the hidden state's gradient and a matmul input's, in the compute dtype,
+    and the stream's."""
+    tokens, c, compute, stream = shape.piece * spec.seq, spec.n_embd, precision.activation, shape.stream
+    return tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
 
 
 def _copies_gradients(shape: _StageShape, cand: Candidate) -> float:
@@ -251,10 +255,10 @@ def _step_moments(
     # The peak is one of three moments (found with the dry run, dryrun.py), each on top of what the other parts hold.
     # The loss's forward, on the last stage: the logits in the compute dtype and their fp32 copy (one tensor under
     # 32-true), and autocast's cached weight copies of checkpointed blocks, kept until autocast exits. The loss's
-    # backward: the fp32 logits' gradient twice, nll_loss's and log_softmax's. The last block's backward: under fsdp
-    # the units it gathers and their gradients before they are reduced, with checkpointing its recomputed
-    # activations (on top of nearly all saved activations still). At all three, a step's first gradients do not
-    # exist yet unless earlier micro-steps or 1F1B pieces made some, or DDP's buckets (allocated once) hold them.
+    # backward: the fp32 logits' gradient twice, nll_loss's and log_softmax's. The blocks' backward (_blocks_backward):
+    # under fsdp the units they gather and their gradients before they are reduced, with checkpointing the recomputed
+    # activations. At the loss's moments, a step's first gradients do not exist yet unless earlier micro-steps or
+    # 1F1B pieces made some, or DDP's buckets (allocated once) hold them; the blocks' backward counts those it makes.
     logits, output, kept, last = shape.logits, shape.output, shape.kept, shape.last
     compute_copy = logits / 4 * precision.activation if precision.activation != 4 else 0.0
     checkpointed_copies = shape.checkpointed * shape.act.block_weight_copy
@@ -263,8 +267,7 @@ def _step_moments(
     loss_backward = 2 * logits + (kept * output + shape.cached if cand.pp > 1 and last else 0.0)
     no_grads_yet = state.grads if accum == 1 and cand.pp == 1 and cand.strategy != "ddp" else 0.0
     blocks_backward = _blocks_backward(spec, shape, cand, precision, state, units, in_block, no_grads_yet > 0)
-    temporaries = max(loss_forward, loss_backward, blocks_backward) - no_grads_yet  # the last block is the first
-    return max(temporaries, 0.0)  # to make gradients in backward: the others' do not exist yet either
+    return max(max(loss_forward, loss_backward, blocks_backward) - no_grads_yet, 0.0)
 
 
 def _blocks_backward(
@@ -282,7 +285,7 @@ def _blocks_backward(
     if not shape.fsdp:
         return in_block + shape.weight_grad
     if not shape.in_pipeline and not state.unsharded_grads:
-        return _fsdp_blocks_backward(spec, shape, cand, precision, in_block, units, grads_pending)
+        return _fsdp_blocks_backward(spec, shape, cand, precision, units, grads_pending)
     # FSDP's root unit and the block computing (held in `gathered` already under grad-op; the block that backward
     # prefetches is not there yet at the last block's peak, the dry run finds, but with checkpointing the recomputed
     # forward's prefetch is). Gradients accumulating unsharded are in `grads` already.
@@ -305,40 +308,37 @@ def _blocks_backward(
 
 
 def _fsdp_blocks_backward(
-    spec: ModelSpec,
-    shape: _StageShape,
-    cand: Candidate,
-    precision: PrecisionBytes,
-    in_block: float,
-    units: _FsdpUnits,
-    grads_pending: bool,
+    spec: ModelSpec, shape: _StageShape, cand: Candidate, precision: PrecisionBytes, units: _FsdpUnits, pending: bool
 ) -> float:
     """Without a pipeline, FSDP reduce-scattering each block's gradients as its backward ends: the bytes beside the
-    parts at the largest moment of the blocks' backward (found with the dry run: for a 7B at 512 ranks, not the last
-    block's but the second's, or under hybrid sharding the second-to-last's to run)."""
-    act, tokens, c = shape.act, shape.piece * spec.seq, spec.n_embd
-    compute, stream = precision.activation, shape.stream
-    blocks = [p for p in shape.held if p.block is not None]
-    # As a block's backward runs its MLP's: the hidden state's gradient and a matmul input's (and the stream's), the
-    # largest weight's gradient as it is made, and the head's (its matmul's part of the tied weight's gradient)
-    hidden = tokens * (4 * c / cand.tp * compute + c * compute + (c * stream if stream != compute else 0))
-    weight_grad = param_bytes([max(blocks, key=lambda p: math.prod(p.shape))], cand.tp, 1, precision.gather)
+    parts at the largest moment of the blocks' backward, block by block in backward's order (found with the dry run:
+    for a 7B at 512 ranks the second block's, under hybrid sharding over 8 the second-to-last's). `pending`: the
+    step's sharded gradients are not in the parts yet (its only micro-step makes them)."""
+    act, k, root, block = shape.act, cand.checkpoint_every, units.root, units.block
+    params = [p for p in shape.held if p.block is not None]
+    one_block = [p for p in params if p.block == params[0].block]
     head = max((p for p in shape.held if p.block is None), key=lambda p: math.prod(p.shape))
-    in_backward = in_block + hidden + weight_grad + param_bytes([head], cand.tp, 1, precision.gather)
-    # The loss's saved tensors are freed by then. Gathered: the root and the block computing, and the block backward
-    # prefetches, which in the last block's is there only under checkpointing (its recomputed forward's prefetch);
-    # under grad-op the whole stage, each block resharded as its backward ends. The block before's gradients wait in
-    # their reduce-scatter's fp32 input until the next reduce-scatter; each block done has freed what it saved and,
-    # in a step's only micro-step, made its sharded gradients.
-    root, block = units.root, units.block
-    reducing = block / precision.gather * 4
-    saved = act.checkpointed_block if shape.checkpointed == shape.blocks else act.per_block
-    made = param_bytes(blocks, cand.tp, shape.shard, 4) / shape.blocks if grads_pending else 0.0
-    most = in_backward - act.outside + (0.0 if units.gathered else root + block + (block if shape.checkpointed else 0))
-    for done in range(1, shape.blocks):  # blocks whose backward has ended
-        prefetched = block if done < shape.blocks - 1 else 0.0  # the first block's prefetches no other
-        held = -done * block if units.gathered else root + block + prefetched
-        most = max(most, in_backward - act.outside + held + reducing + done * (made - saved))
+    # Within a block's backward, its MLP's (the hidden gradients and the largest weight's gradient as it is made) or
+    # its attention's (every weight's gradient, less the MLP's activations freed by then), beside the head's part of
+    # the tied weight's gradient; FSDP holds the block's in the gathered dtype until the block's reduce-scatter
+    largest = max(one_block, key=lambda p: math.prod(p.shape))
+    mlp = _mlp_gradients(spec, shape, cand, precision) + param_bytes([largest], cand.tp, 1, precision.gather)
+    mlp_saved = shape.piece * spec.seq * 8 * spec.n_embd / cand.tp * precision.activation  # the GELU's input, output
+    attention = param_bytes(one_block, cand.tp, 1, precision.gather) - mlp_saved
+    computing = max(mlp, attention) + param_bytes([head], cand.tp, 1, precision.gather)
+    reducing = block / precision.gather * 4  # the block before's gradients, in their reduce-scatter's fp32 input
+    made = param_bytes(params, cand.tp, shape.shard, StateBytes.adamw(precision.name).grads) / shape.blocks
+    most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (all but the token ids)
+    for i in reversed(range(shape.blocks)):
+        checkpointed, last = bool(k) and i % k == 0, i == shape.blocks - 1
+        # gathered: the root, the block and the one backward prefetches (in the last block's only as its recomputed
+        # forward's prefetch); under grad-op the whole stage, less each block resharded as its backward ended
+        prefetched = block if i > 0 and (checkpointed or not last) else 0.0
+        gathered = -(shape.blocks - 1 - i) * block if units.gathered else root + block + prefetched
+        recomputed = act.recompute_peak if checkpointed else 0.0
+        most = max(most, balance + computing + recomputed + gathered + (0.0 if last else reducing))
+        # done: what it saved is freed, and in a step's only micro-step its sharded gradients are made
+        balance += (made if pending else 0.0) - (act.checkpointed_block if checkpointed else act.per_block)
     return most
 
 

@@ -313,8 +313,7 @@ def compare(run: DryRun, config: Config, cluster: Cluster) -> list[Comparison]:
     the job as the user asked for it (the plan predicts 16-mixed as bf16-mixed too; fp8-mixed it refuses)."""
     job = run.job
     cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
-    if cand.kind == "fsdp-offload":  # on this CPU offload moves nothing (host memory is the device's): the dry run
-        cand = dataclasses.replace(cand, kind="fsdp")  # measures the FSDP job it offloads, byte for byte
+    cand = _without_offload(cand, job)  # on this CPU offload moves nothing: the dry run measures the job it offloads
     precision = PrecisionBytes(RUN_AS.get(config.train.precision, config.train.precision))
     out = []
     for rank in run.ranks:
@@ -356,14 +355,14 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
                 f"{unit} here ({comparison.error(part):.0%})"
             )
     most = float(run.most_loaded.peak)
-    if job.config.parallel.fsdp.cpu_offload and job.layout.strategy == "fsdp":
-        host = _host_bytes(job, cluster, run.most_loaded.stage)
+    cand = Candidate.from_job(job)
+    if cand.kind == "fsdp-offload":
+        host = _offloaded(job, cluster, run.most_loaded.stage)
         most -= host
         unit, scale = size_unit(host)
         lines.append(
             f"  CPU offload moves nothing here (host memory is this machine's only memory): measured, and compared, "
-            f"is the FSDP job it offloads; on the devices {host / scale:.2f} {unit} of it (parameters, optimizer "
-            "state, reduced gradients) is in host memory instead"
+            f"is the FSDP job it offloads; on the devices offload takes {host / scale:.2f} {unit} off its peak"
         )
     if most > cluster.usable_memory:
         unit, scale = size_unit(most)
@@ -375,9 +374,22 @@ def dry_run_lines(job: Job, cluster: Cluster) -> list[str]:
     return lines
 
 
-def _host_bytes(job: Job, cluster: Cluster, stage: int) -> float:
-    """What CPU offload keeps in host memory on a rank of `stage`, by the plan."""
+def _without_offload(cand: Candidate, job: Job) -> Candidate:
+    """The candidate of the FSDP job an offload layout offloads (Candidate.from_job's order: hybrid, then grad-op)."""
+    if cand.kind != "fsdp-offload":
+        return cand
+    fsdp = job.config.parallel.fsdp
+    kind = "hsdp" if cand.dp_replicate > 1 else "fsdp" if fsdp.reshard_after_forward else "fsdp-grad-op"
+    return dataclasses.replace(cand, kind=kind)
+
+
+def _offloaded(job: Job, cluster: Cluster, stage: int) -> float:
+    """How much less a rank of `stage` holds on its device with CPU offload than the FSDP job it offloads, by the plan
+    (the parameters, the optimizer state and, once reduced, the gradients; never the reduced and the accumulating
+    gradients both)."""
     cand, spec = Candidate.from_job(job), ModelSpec(job.config.model)  # type: ignore[arg-type]
     precision = PrecisionBytes(RUN_AS.get(job.config.train.precision, job.config.train.precision))
-    _, host = stage_memory(spec, cand, precision, cluster, job.batch.accum_steps, stage)
-    return sum(host.values())
+    accum = job.batch.accum_steps
+    offload, _ = stage_memory(spec, cand, precision, cluster, accum, stage)
+    fsdp, _ = stage_memory(spec, _without_offload(cand, job), precision, cluster, accum, stage)
+    return sum(fsdp.values()) - sum(offload.values())

@@ -328,7 +328,7 @@ def _fsdp_blocks_backward(
     computing = max(mlp, attention) + param_bytes([head], cand.tp, 1, precision.gather)
     reducing = block / precision.gather * 4  # the block before's gradients, in their reduce-scatter's fp32 input
     made = param_bytes(params, cand.tp, shape.shard, StateBytes.adamw(precision.name).grads) / shape.blocks
-    most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (all but the token ids)
+    most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (and the ids' bytes)
     for i in reversed(range(shape.blocks)):
         checkpointed, last = bool(k) and i % k == 0, i == shape.blocks - 1
         # gathered: the root, the block and the one backward prefetches (in the last block's only as its recomputed

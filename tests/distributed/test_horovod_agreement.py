@@ -124,9 +124,34 @@ def _elastic(rank: int) -> dict[str, Any]:
     return {"elastic": out}
 
 
+def _names_across_a_barrier(rank: int) -> dict[str, Any]:
+    """Horovod's duplicate-name tests: one rank starts named async collectives while the other waits in
+    hvd.barrier() (which does not wait for them); a second one of a name in flight raises ValueError on that rank
+    alone. Then each rank's deferred collective meets the other's, in call order, with the right result."""
+    mine = torch.full((3,), float(rank + 1))
+    calls = {
+        "allreduce": lambda: hvd.allreduce_async(mine, name="dup", op=hvd.Sum),
+        "allgather": lambda: hvd.allgather_async(mine, name="dup"),
+        "broadcast": lambda: hvd.broadcast_async(mine, root_rank=0, name="dup"),
+        "reducescatter": lambda: hvd.reducescatter_async(mine.reshape(1, 3).expand(2, 3).contiguous(), name="dup"),
+    }
+    out: dict[str, Any] = {}
+    for what, call in calls.items():
+        handles, second = [], ""
+        for turn in (0, 1):  # rank 0's turn, then rank 1's, the other in a barrier
+            if rank == turn:
+                handles.append(call())
+                second = _error(call)
+            hvd.barrier()
+        result = hvd.synchronize(handles[0])
+        again = _error(lambda call=call: hvd.synchronize(call()))  # the name is free once synchronized
+        out[what] = (second, result, again)
+    return out
+
+
 def _checks(rank: int) -> dict[str, Any]:
     hvd.init()
-    r: dict[str, Any] = {"errors": _disagreements(rank)}
+    r: dict[str, Any] = {"errors": _disagreements(rank), "names": _names_across_a_barrier(rank)}
     # an argument refused on one rank only: that rank raises its ValueError, the other HorovodInternalError
     r["refused_on_one"] = [
         _error(lambda: hvd.alltoall(torch.ones(4 - rank))),  # rank 1: 3 rows do not split in 2
@@ -261,6 +286,20 @@ def test_ranks_that_disagree_all_raise_horovods_error(ranks: list[dict[str, Any]
         )
         assert torch.equal(r["after_errors"], torch.ones(2))
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
+
+
+def test_a_name_in_flight_is_refused_and_async_calls_wait_behind_a_barrier(ranks: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(ranks):
+        for what, (second, result, again) in r["names"].items():
+            assert second.startswith(f"ValueError: hvd.{what}: a collective named 'dup' is still in flight"), second
+            assert again == "", (what, again)
+            expected = {
+                "allreduce": torch.full((3,), 3.0),
+                "allgather": torch.cat([torch.full((3,), 1.0), torch.full((3,), 2.0)]),
+                "broadcast": torch.full((3,), 1.0),
+                "reducescatter": torch.full((1, 3), 1.5),  # the average of rank 0's 1 and rank 1's 2
+            }[what]
+            assert torch.equal(result, expected), (rank, what, result)
 
 
 def test_int16_and_integer_scaling_as_horovod(ranks: list[dict[str, Any]]) -> None:

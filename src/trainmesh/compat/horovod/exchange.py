@@ -22,6 +22,7 @@ from trainmesh.compat.horovod.ops import (
     check_contiguous,
     finish_reduction,
     group_handle,
+    launch,
     on_wire,
     part_names,
     resolve_op,
@@ -29,7 +30,7 @@ from trainmesh.compat.horovod.ops import (
     synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet
-from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, own_checks, start_round
+from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, Role, own_checks, start_round
 
 
 def _send_counts(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None, members: int) -> list[int]:
@@ -67,17 +68,22 @@ def alltoall_async(
     with own_checks(ps.group):
         check_contiguous("hvd.alltoall", tensor)
         send = _send_counts(tensor, splits, ps.size())
-    start_round(Kind.OTHER, describe("hvd.alltoall", tensor, name, any_first_dim=True), group=ps.group)
-    wire = on_wire(tensor.detach()[: sum(send)])
-    if ps.size() == 1:
-        return Handle([], lambda: (wire.clone().to(tensor.dtype), torch.tensor(send, dtype=torch.int32)))
-    sent = torch.tensor(send, dtype=torch.int64, device=tensor.device)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=ps.group)  # each member learns what it will receive
-    recv = [int(r) for r in received.tolist()]
-    out = wire.new_empty((sum(recv), *tensor.shape[1:]))
-    work = dist.all_to_all_single(out, wire, recv, send, group=ps.group, async_op=True)
-    return Handle([work], lambda: (out.to(tensor.dtype), torch.tensor(recv, dtype=torch.int32)))
+    call = describe("hvd.alltoall", tensor, name, any_first_dim=True)
+
+    def start() -> Handle[tuple[torch.Tensor, torch.Tensor]]:
+        start_round(Kind.OTHER, call, group=ps.group, role=Role.DEFERRABLE)
+        wire = on_wire(tensor.detach()[: sum(send)])
+        if ps.size() == 1:
+            return Handle([], lambda: (wire.clone().to(tensor.dtype), torch.tensor(send, dtype=torch.int32)))
+        sent = torch.tensor(send, dtype=torch.int64, device=tensor.device)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=ps.group)  # each member learns what it will receive
+        recv = [int(r) for r in received.tolist()]
+        out = wire.new_empty((sum(recv), *tensor.shape[1:]))
+        work = dist.all_to_all_single(out, wire, recv, send, group=ps.group, async_op=True)
+        return Handle([work], lambda: (out.to(tensor.dtype), torch.tensor(recv, dtype=torch.int32)))
+
+    return launch("alltoall", name, ps.group, start)
 
 
 def alltoall(
@@ -134,16 +140,21 @@ def reducescatter_async(
         check_contiguous("hvd.reducescatter", tensor)
         if tensor.dim() == 0:
             raise ValueError("hvd.reducescatter: a scalar; it is split along dimension 0. Fix: tensor.reshape(1)")
-    start_round(Kind.OTHER, describe("hvd.reducescatter", tensor, name, op=reduce_op.name), group=ps.group)
-    buffer = on_wire(scale_(tensor.detach().clone(), prescale_factor))
-    work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)
+    call = describe("hvd.reducescatter", tensor, name, op=reduce_op.name)
 
-    def finish() -> torch.Tensor:
-        first, count = _my_rows(tensor.shape[0], ps)
-        mine = finish_reduction(buffer.narrow(0, first, count).clone(), reduce_op, ps.size(), postscale_factor)
-        return mine.to(tensor.dtype)
+    def start() -> Handle[torch.Tensor]:
+        start_round(Kind.OTHER, call, group=ps.group, role=Role.DEFERRABLE)
+        buffer = on_wire(scale_(tensor.detach().clone(), prescale_factor))
+        work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)
 
-    return Handle([work], finish)
+        def finish() -> torch.Tensor:
+            first, count = _my_rows(tensor.shape[0], ps)
+            mine = finish_reduction(buffer.narrow(0, first, count).clone(), reduce_op, ps.size(), postscale_factor)
+            return mine.to(tensor.dtype)
+
+        return Handle([work], finish)
+
+    return launch("reducescatter", name, ps.group, start)
 
 
 def reducescatter(

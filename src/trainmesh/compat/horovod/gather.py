@@ -20,12 +20,13 @@ from trainmesh.compat.horovod.ops import (
     check_contiguous,
     copy_back,
     group_handle,
+    launch,
     on_wire,
     part_names,
     synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
-from trainmesh.compat.horovod.rounds import Kind, own_checks, start_round
+from trainmesh.compat.horovod.rounds import Kind, Role, own_checks, start_round
 
 
 def first_dims(tensor: torch.Tensor, ps: ProcessSet) -> list[int]:
@@ -48,26 +49,31 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
 def allgather_with_sizes(
     tensor: torch.Tensor, name: str | None, process_set: object
 ) -> tuple[Handle[torch.Tensor], list[int]]:
-    """allgather_async, and how many rows each member gave."""
+    """allgather_async, and how many rows each member gave (filled in once the collective has started)."""
     ps = check("hvd.allgather", process_set)
     with own_checks(ps.group):
         check_contiguous("hvd.allgather", tensor)
         if tensor.dim() == 0:
             raise ValueError("hvd.allgather: a scalar; it is concatenated along dimension 0. Fix: tensor.reshape(1)")
     call = describe("hvd.allgather", tensor, name, any_first_dim=True)
-    start_round(Kind.OTHER, call, group=ps.group)
-    sizes = first_dims(tensor, ps)
-    longest = max(sizes)
-    padded = on_wire(tensor.detach())
-    if tensor.shape[0] < longest:
-        padded = torch.cat([padded, padded.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
-    parts = [torch.empty_like(padded) for _ in range(ps.size())]
-    work = dist.all_gather(parts, padded, group=ps.group, async_op=True)
+    sizes: list[int] = []
 
-    def finish() -> torch.Tensor:
-        return torch.cat([part[:count] for part, count in zip(parts, sizes, strict=True)]).to(tensor.dtype)
+    def start() -> Handle[torch.Tensor]:
+        start_round(Kind.OTHER, call, group=ps.group, role=Role.DEFERRABLE)
+        sizes.extend(first_dims(tensor, ps))
+        longest = max(sizes)
+        padded = on_wire(tensor.detach())
+        if tensor.shape[0] < longest:
+            padded = torch.cat([padded, padded.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(ps.size())]
+        work = dist.all_gather(parts, padded, group=ps.group, async_op=True)
 
-    return Handle([work], finish), sizes
+        def finish() -> torch.Tensor:
+            return torch.cat([part[:count] for part, count in zip(parts, sizes, strict=True)]).to(tensor.dtype)
+
+        return Handle([work], finish)
+
+    return launch("allgather", name, ps.group, start), sizes
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object = None) -> torch.Tensor:
@@ -114,10 +120,15 @@ def broadcast_async_(
     with own_checks(ps.group):
         check_contiguous("hvd.broadcast", tensor)
         check_root(root_rank, ps, "hvd.broadcast")
-    start_round(Kind.OTHER, describe("hvd.broadcast", tensor, name, root=root_rank), group=ps.group)
-    buffer = on_wire(tensor.detach())
-    work = broadcast_work(buffer, root_rank, ps)
-    return Handle([work], lambda: copy_back(tensor, buffer))
+    call = describe("hvd.broadcast", tensor, name, root=root_rank)
+
+    def start() -> Handle[torch.Tensor]:
+        start_round(Kind.OTHER, call, group=ps.group, role=Role.DEFERRABLE)
+        buffer = on_wire(tensor.detach())
+        work = broadcast_work(buffer, root_rank, ps)
+        return Handle([work], lambda: copy_back(tensor, buffer))
+
+    return launch("broadcast", name, ps.group, start)
 
 
 def broadcast_work(tensor: torch.Tensor, root_rank: int, ps: ProcessSet | None = None) -> dist.Work | None:

@@ -7,6 +7,7 @@ Details: docs/internals.md#compathorovodopspy
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -15,42 +16,130 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.compat.horovod.agreement import Call, describe
-from trainmesh.compat.horovod.basics import ReduceOp
+from trainmesh.compat.horovod.basics import ReduceOp, at_shutdown
 from trainmesh.compat.horovod.compression import Compression, Compressor
+from trainmesh.compat.horovod.errors import HorovodInternalError
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
-from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, dtype_code, own_checks, start_round
+from trainmesh.compat.horovod.rounds import (
+    TORCH_OPS,
+    Deferred,
+    Kind,
+    Role,
+    defer,
+    dtype_code,
+    flush,
+    forget_deferred,
+    own_checks,
+    start_round,
+)
 
 T = TypeVar("T")
 
 
 class Handle(Generic[T]):
-    """A collective in flight: pass it to hvd.poll() or hvd.synchronize()."""
+    """A collective in flight, or deferred (launch()): pass it to hvd.poll() or hvd.synchronize()."""
 
     def __init__(self, works: Sequence[dist.Work | None], finish: Callable[[], T]) -> None:
         self._works = [w for w in works if w is not None]
         self._finish: Callable[[], T] | None = finish
         self._result: T | None = None
         self._lock = threading.Lock()  # threads may wait on one handle: finish (a copy, a division) runs once
+        self._started = True  # launch() sets these three for a collective it deferred
+        self._group: dist.ProcessGroup | None = None
+        self._name: str | None = None
+        self._error: Exception | None = None  # a deferred collective's, raised when it started later
 
     def done(self) -> bool:
-        return self._finish is None or all(w.is_completed() for w in self._works)
+        if not self._start():
+            return False
+        finished = self._finish is None or all(w.is_completed() for w in self._works)
+        if finished:
+            _in_use.discard(self._name)
+        return finished
 
     def wait(self) -> T:
+        while not self._start():
+            time.sleep(0.01)  # the other ranks are still in hvd.barrier(): wait, as Horovod's collective would
         with self._lock:
             if self._finish is not None:
                 for work in self._works:
                     work.wait()
                 self._result, self._finish = self._finish(), None
+        _in_use.discard(self._name)
         return self._result  # type: ignore[return-value]  # set above, once
+
+    def _start(self) -> bool:
+        """Whether the collective has started: a deferred one starts with the group's deferred ones before it."""
+        if not self._started and flush(self._group) and not self._started:
+            if self._error is not None:
+                raise self._error
+            raise HorovodInternalError(
+                "a collective deferred behind hvd.barrier() never started: hvd.shutdown() came first"
+            )
+        return self._started
+
+
+class _Group(Handle[list[T]]):
+    """One handle for several (the grouped calls): its result is theirs, in order."""
+
+    def __init__(self, handles: Sequence[Handle[T]]) -> None:
+        super().__init__([], lambda: [h.wait() for h in handles])
+        self._parts = list(handles)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._parts)
 
 
 def group_handle(handles: Sequence[Handle[T]]) -> Handle[list[T]]:
     """One handle for several collectives (the grouped calls): its result is theirs, in order."""
-    return Handle([w for h in handles for w in h._works], lambda: [h.wait() for h in handles])
+    return _Group(handles)
+
+
+_in_use: set[str | None] = set()
+"""Names of *_async collectives not yet synchronized: Horovod refuses a second one of a name while one is in flight."""
+
+
+def launch(what: str, name: str | None, group: dist.ProcessGroup | None, start: Callable[[], Handle[T]]) -> Handle[T]:
+    """An *_async call's collective (`start`: its round, with Role.DEFERRABLE, and its collective), started now, or,
+    while the other ranks are in hvd.barrier() (which Horovod's does not wait for), deferred until this rank's next
+    round on the group or its handle is polled or waited for; the ranks run their collectives in the same order."""
+    key = None if name is None else f"{what}.{name}"
+    if key is not None and key in _in_use:
+        raise ValueError(
+            f"hvd.{what}: a collective named {name!r} is still in flight (its handle not synchronized), and Horovod "
+            "refuses a second one of the same name. Fix: hvd.synchronize() the first, or give this one another name."
+        )
+    handle: Handle[T] = Handle([], lambda: None)  # type: ignore[arg-type,return-value]  # filled in by begin()
+
+    def begin() -> None:
+        try:
+            started = start()
+        except HorovodInternalError as e:  # the ranks disagreed: every rank raises, here or where it is waited for
+            handle._error = e
+            raise
+        handle._works, handle._finish, handle._started = started._works, started._finish, True
+
+    handle._started, handle._group, handle._name = False, group, key
+    try:
+        begin()
+    except Deferred:
+        defer(group, begin)
+    if key is not None:
+        _in_use.add(key)
+    return handle
+
+
+def _forget() -> None:
+    _in_use.clear()
+    forget_deferred()
+
+
+at_shutdown.append(_forget)
 
 
 def poll(handle: Handle[Any]) -> bool:
-    """True when the collective behind `handle` has finished (synchronize() will not wait)."""
+    """True when the collective behind `handle` has finished (synchronize() will not wait). A collective deferred
+    behind the other ranks' hvd.barrier() starts here (the call waits for them to arrive at a collective)."""
     return handle.done()
 
 
@@ -148,15 +237,20 @@ def allreduce_async_(
         check_contiguous("hvd.allreduce", tensor)
         wire_code = dtype_code(wire_dtype(tensor.dtype))  # what a rank inside hvd.join() sends back
     fields = (int(reduce_op), wire_code, tensor.numel(), int(tensor.device.type == "cuda"))
-    header = start_round(Kind.ALLREDUCE, describe("hvd.allreduce", tensor, name, op=reduce_op.name), fields, ps.group)
-    # detached: the input may be a parameter (a leaf that requires grad), which autograd forbids changing in place
-    buffer = on_wire(scale_(tensor.detach(), prescale_factor))
-    work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)
+    call = describe("hvd.allreduce", tensor, name, op=reduce_op.name)
 
-    def finish() -> torch.Tensor:
-        return copy_back(tensor, finish_reduction(buffer, reduce_op, ps.size(), postscale_factor))
+    def start() -> Handle[torch.Tensor]:
+        header = start_round(Kind.ALLREDUCE, call, fields, ps.group, Role.DEFERRABLE)
+        # detached: the input may be a parameter (a leaf that requires grad), which autograd forbids changing in place
+        buffer = on_wire(scale_(tensor.detach(), prescale_factor))
+        work = dist.all_reduce(buffer, op=TORCH_OPS[reduce_op], group=ps.group, async_op=True)
 
-    return Handle([header.work, work], finish)
+        def finish() -> torch.Tensor:
+            return copy_back(tensor, finish_reduction(buffer, reduce_op, ps.size(), postscale_factor))
+
+        return Handle([header.work, work], finish)
+
+    return launch("allreduce", name, ps.group, start)
 
 
 def allreduce_async(
@@ -287,4 +381,5 @@ def grouped_allreduce(
 def barrier(process_set: object = None) -> None:
     """Wait until every rank of the process set has reached this call."""
     ps = check("hvd.barrier", process_set)
-    start_round(Kind.OTHER, Call("hvd.barrier"), group=ps.group)  # waits for every rank's header: a barrier
+    # waits for every rank's header: a barrier (not for this rank's deferred collectives, as Horovod's)
+    start_round(Kind.OTHER, Call("hvd.barrier"), group=ps.group, role=Role.BARRIER)

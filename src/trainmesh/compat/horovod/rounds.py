@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,10 @@ from trainmesh.compat.horovod.agreement import Call, agreed, each_rank, refuse
 from trainmesh.compat.horovod.basics import ReduceOp, checks_collectives, rank, size
 from trainmesh.compat.horovod.errors import HorovodInternalError
 
-HEADER_LEN = 10  # [active ranks, kind, 5 fields, ranks whose own checks failed, sum of fingerprints, of squares]
+HEADER_LEN = 12  # [active ranks, kind, 5 fields, ranks whose own checks failed, ranks in hvd.barrier(), ranks whose
+# collective may wait (an *_async call's), sum of fingerprints, of squares]
 FIELDS = slice(1, 7)
-FAILED = 7
+FAILED, BARRIERS, DEFERRABLE = 7, 8, 9
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -53,6 +55,57 @@ class Kind(IntEnum):
 
 class RankJoinedError(RuntimeError):
     """A collective that joined ranks cannot answer (Horovod raises for these too)."""
+
+
+class Role(Enum):
+    """How a round may meet other ranks' different rounds: an *_async call's collective waits (deferred, then
+    started in call order before this rank's next round) while the other ranks are in hvd.barrier(), which Horovod's
+    barrier does not wait for; the barrier's ranks send their round again."""
+
+    PLAIN = 0
+    BARRIER = 1
+    DEFERRABLE = 2
+
+
+class Deferred(Exception):
+    """This rank's deferrable round met the others in hvd.barrier(): its collective did not start."""
+
+
+# Each group's deferred starts, in call order (None: the global set's group). A start runs its round and collective,
+# or raises Deferred again.
+_deferred: dict[dist.ProcessGroup | None, deque[Callable[[], None]]] = {}
+_flushing: set[dist.ProcessGroup | None] = set()
+
+
+def defer(group: dist.ProcessGroup | None, start: Callable[[], None]) -> None:
+    """Queue `start` behind the group's deferred starts (run by the group's next round, or flush())."""
+    _deferred.setdefault(group, deque()).append(start)
+
+
+def flush(group: dist.ProcessGroup | None) -> bool:
+    """Start the group's deferred collectives in call order, until one is deferred again; whether none is left."""
+    queue = _deferred.get(group)
+    if not queue or group in _flushing:  # flushing: the round is the deferred collective's own, at the queue's head
+        return True
+    _flushing.add(group)
+    try:
+        while queue:
+            try:
+                queue[0]()  # raises Deferred while the other ranks are still in a barrier
+            except Deferred:
+                return False
+            except Exception:
+                queue.popleft()  # it failed (its handle keeps the error): the next ones still start in order
+                raise
+            queue.popleft()
+    finally:
+        _flushing.discard(group)
+    return True
+
+
+def forget_deferred() -> None:
+    """hvd.shutdown(): deferred collectives never start (their handles say so)."""
+    _deferred.clear()
 
 
 # Each DistributedOptimizer's shadow: what a joined rank runs for that optimizer's gradient round. Indexed in
@@ -97,9 +150,12 @@ class Round:
         return self.header is not None and int(self.header[0]) < self.members
 
 
-def _header(kind: Kind, fingerprint: int, fields: Sequence[int] = (), failed: bool = False) -> torch.Tensor:
+def _header(
+    kind: Kind, fingerprint: int, fields: Sequence[int] = (), failed: bool = False, role: Role = Role.PLAIN
+) -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1], header[FAILED] = 1, int(kind), int(failed)
+    header[BARRIERS], header[DEFERRABLE] = int(role == Role.BARRIER), int(role == Role.DEFERRABLE)
     header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
     header[-2], header[-1] = fingerprint, fingerprint * fingerprint
     return header.to(control_device())
@@ -123,26 +179,35 @@ def own_checks(group: dist.ProcessGroup | None = None) -> Iterator[None]:
         raise
 
 
-def start_round(kind: Kind, call: Call, fields: Sequence[int] = (), group: dist.ProcessGroup | None = None) -> Round:
-    """Send this active rank's header (`call`: what it is about to run, for the ranks' agreement). With the check
-    on, wait for the sum and raise HorovodInternalError on every rank when the ranks disagree (or a rank's own
-    checks failed: own_checks); OTHER rounds also wait, and raise RankJoinedError when a rank has joined.
-    Otherwise the header may still be in flight. `group`: a process set's (hvd.join() answers only the global
-    set's rounds)."""
+def start_round(
+    kind: Kind, call: Call, fields: Sequence[int] = (), group: dist.ProcessGroup | None = None, role: Role = Role.PLAIN
+) -> Round:
+    """Send this active rank's header (`call`: what it is about to run, for the ranks' agreement), after the group's
+    deferred collectives (but a barrier's). With the check on, wait for the sum and raise HorovodInternalError on
+    every rank when the ranks disagree (or a rank's own checks failed: own_checks); OTHER rounds also wait, and raise
+    RankJoinedError when a rank has joined. A DEFERRABLE round that meets the others in a barrier raises Deferred.
+    Otherwise the header may still be in flight. `group`: a process set's (hvd.join() answers only the global set's
+    rounds)."""
     members = _members(group)
     if members == 1:
         return Round()
-    header = _header(kind, call.fingerprint() if checks_collectives() else 0, fields)
+    if role != Role.BARRIER and not flush(group) and role == Role.DEFERRABLE:
+        raise Deferred  # behind a deferred collective: call order is kept
+    header = _header(kind, call.fingerprint() if checks_collectives() else 0, fields, role=role)
     if kind != Kind.OTHER and not checks_collectives():
         return Round(header, dist.all_reduce(header, async_op=True, group=group), members)
     dist.all_reduce(header, group=group)
-    active, *_, failed, total, squares = header.tolist()
+    active, *_, failed, barriers, deferrable, total, squares = header.tolist()
     if failed:  # checked first: the failed ranks sent no fingerprint
         raise HorovodInternalError(
             f"{call.what}: the arguments were refused on {failed} of {members} ranks (their ValueError says why), "
             "so none ran"
         )
     if not agreed(active, total, squares):
+        if barriers and deferrable and barriers + deferrable == active:  # async calls meeting a barrier
+            if role == Role.DEFERRABLE:
+                raise Deferred
+            return start_round(kind, call, fields, group, role)  # the barrier: again, until they have deferred
         raise refuse(call, group)
     if kind == Kind.OTHER and active < members:
         raise RankJoinedError(
@@ -160,6 +225,8 @@ def join(device: int = -1) -> int:
     root_rank=hvd.join())` gives every rank the final weights. `device` is accepted for Horovod's signature."""
     if size() == 1:
         return 0
+    while not flush(None):  # this rank's deferred collectives first: the others wait in them
+        pass
     sat_out = 0  # rounds this rank answered while joined; 0 for the ranks that joined last
     where = control_device()
     while True:
@@ -173,6 +240,8 @@ def join(device: int = -1) -> int:
         if values[FAILED]:  # an active rank's own checks failed: no collective follows
             continue
         if not agreed(active, values[-2], values[-1]):
+            if values[BARRIERS] and values[DEFERRABLE] and values[BARRIERS] + values[DEFERRABLE] == active:
+                continue  # async calls meeting a barrier: the barrier's ranks send theirs again
             each_rank(None)  # the active ranks disagree: tell them this rank is joined; they raise
             continue
         kind, *fields = (int(v) // active for v in values[FIELDS])

@@ -146,6 +146,28 @@ def _names_across_a_barrier(rank: int) -> dict[str, Any]:
         result = hvd.synchronize(handles[0])
         again = _error(lambda call=call: hvd.synchronize(call()))  # the name is free once synchronized
         out[what] = (second, result, again)
+    # A call waited for on one rank while the other waits in a barrier: no rank can go on; both raise at once
+    out["stuck"] = _error(lambda: hvd.allreduce(mine, name="stuck") if rank == 0 else hvd.barrier())
+    out["in_step"] = hvd.allreduce(mine, op=hvd.Sum)
+    # Horovod's order-free pattern: rank 0's async call is matched by rank 1's call after rank 0's first barrier
+    if rank == 0:
+        early = hvd.allreduce_async(mine, name="a", op=hvd.Sum)
+        hvd.barrier()
+        hvd.barrier()
+        out["matched"] = hvd.synchronize(early)
+    else:
+        hvd.barrier()
+        out["matched"] = hvd.allreduce(mine, name="a", op=hvd.Sum)
+        hvd.barrier()
+    # many async calls deferred behind the other rank's barrier, run in call order once it arrives
+    many = [mine * i for i in range(60)]
+    if rank == 0:
+        handles = [hvd.allreduce_async(t, name=f"m{i}", op=hvd.Sum) for i, t in enumerate(many)]
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        handles = [hvd.allreduce_async(t, name=f"m{i}", op=hvd.Sum) for i, t in enumerate(many)]
+    out["many"] = all(torch.equal(hvd.synchronize(h), 3 * t / (rank + 1)) for h, t in zip(handles, many, strict=True))
     return out
 
 
@@ -289,6 +311,12 @@ def test_ranks_that_disagree_all_raise_horovods_error(ranks: list[dict[str, Any]
 
 
 def test_a_name_in_flight_is_refused_and_async_calls_wait_behind_a_barrier(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        names = r["names"]
+        assert "no rank can go on (Horovod would hang here)" in names.pop("stuck"), r["names"]
+        assert torch.equal(names.pop("in_step"), torch.full((3,), 3.0))  # the ranks are in step again
+        assert torch.equal(names.pop("matched"), torch.full((3,), 3.0))
+        assert names.pop("many") is True
     for rank, r in enumerate(ranks):
         for what, (second, result, again) in r["names"].items():
             assert second.startswith(f"ValueError: hvd.{what}: a collective named 'dup' is still in flight"), second

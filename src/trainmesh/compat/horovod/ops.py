@@ -26,6 +26,7 @@ from trainmesh.compat.horovod.rounds import (
     Kind,
     Role,
     defer,
+    deferral_lock,
     dtype_code,
     flush,
     forget_deferred,
@@ -47,36 +48,46 @@ class Handle(Generic[T]):
         self._started = True  # launch() sets these three for a collective it deferred
         self._group: dist.ProcessGroup | None = None
         self._name: str | None = None
-        self._error: Exception | None = None  # a deferred collective's, raised when it started later
+        self._error: Exception | None = None  # a deferred collective's, raised where it is waited for
 
     def done(self) -> bool:
-        if not self._start():
-            return False
-        finished = self._finish is None or all(w.is_completed() for w in self._works)
-        if finished:
-            _in_use.discard(self._name)
-        return finished
+        return self._start(waiting=False) and self._finished()
 
     def wait(self) -> T:
-        while not self._start():
-            time.sleep(0.01)  # the other ranks are still in hvd.barrier(): wait, as Horovod's collective would
-        with self._lock:
-            if self._finish is not None:
-                for work in self._works:
-                    work.wait()
-                self._result, self._finish = self._finish(), None
-        _in_use.discard(self._name)
+        try:
+            while not self._start(waiting=True):
+                time.sleep(0.01)  # the other ranks are still in hvd.barrier() with deferred calls of their own
+            with self._lock:
+                if self._finish is not None:
+                    for work in self._works:
+                        work.wait()
+                    self._result, self._finish = self._finish(), None
+        finally:
+            _release(self)
         return self._result  # type: ignore[return-value]  # set above, once
 
-    def _start(self) -> bool:
-        """Whether the collective has started: a deferred one starts with the group's deferred ones before it."""
-        if not self._started and flush(self._group) and not self._started:
-            if self._error is not None:
-                raise self._error
+    def in_flight(self) -> bool:
+        """Not started, or started and not finished (Horovod's name for it: a name in use)."""
+        return not self._started or not self._finished()
+
+    def _finished(self) -> bool:
+        return self._finish is None or all(w.is_completed() for w in self._works)
+
+    def _start(self, waiting: bool) -> bool:
+        """Whether the collective has started: a deferred one starts with the group's deferred ones before it
+        (`waiting`: this rank cannot go on until it has)."""
+        with deferral_lock:
+            if self._started:
+                return True
+            if not flush(self._group, waiting):
+                return False
+        if self._error is not None:
+            raise self._error
+        if not self._started:
             raise HorovodInternalError(
                 "a collective deferred behind hvd.barrier() never started: hvd.shutdown() came first"
             )
-        return self._started
+        return True
 
 
 class _Group(Handle[list[T]]):
@@ -95,8 +106,13 @@ def group_handle(handles: Sequence[Handle[T]]) -> Handle[list[T]]:
     return _Group(handles)
 
 
-_in_use: set[str | None] = set()
-"""Names of *_async collectives not yet synchronized: Horovod refuses a second one of a name while one is in flight."""
+_in_use: dict[str, Handle[Any]] = {}
+"""*_async collectives by name (by call kind: 'allreduce.x'): Horovod refuses a second one of a name in flight."""
+
+
+def _release(handle: Handle[Any]) -> None:
+    if handle._name is not None and _in_use.get(handle._name) is handle:
+        del _in_use[handle._name]
 
 
 def launch(what: str, name: str | None, group: dist.ProcessGroup | None, start: Callable[[], Handle[T]]) -> Handle[T]:
@@ -104,28 +120,32 @@ def launch(what: str, name: str | None, group: dist.ProcessGroup | None, start: 
     while the other ranks are in hvd.barrier() (which Horovod's does not wait for), deferred until this rank's next
     round on the group or its handle is polled or waited for; the ranks run their collectives in the same order."""
     key = None if name is None else f"{what}.{name}"
-    if key is not None and key in _in_use:
+    holder = _in_use.get(key) if key is not None else None
+    if holder is not None and holder.in_flight():
         raise ValueError(
-            f"hvd.{what}: a collective named {name!r} is still in flight (its handle not synchronized), and Horovod "
-            "refuses a second one of the same name. Fix: hvd.synchronize() the first, or give this one another name."
+            f"hvd.{what}: a collective named {name!r} is still in flight, and Horovod refuses a second one of the "
+            "same name. Fix: hvd.synchronize() the first, or give this one another name."
         )
     handle: Handle[T] = Handle([], lambda: None)  # type: ignore[arg-type,return-value]  # filled in by begin()
+    handle._started, handle._group, handle._name = False, group, key
 
     def begin() -> None:
         try:
             started = start()
-        except HorovodInternalError as e:  # the ranks disagreed: every rank raises, here or where it is waited for
+        except Deferred:
+            raise
+        except Exception as e:  # the ranks disagreed (every rank raises, here or where it is waited for), or gloo
             handle._error = e
+            _release(handle)
             raise
         handle._works, handle._finish, handle._started = started._works, started._finish, True
 
-    handle._started, handle._group, handle._name = False, group, key
+    if key is not None:
+        _in_use[key] = handle
     try:
         begin()
     except Deferred:
         defer(group, begin)
-    if key is not None:
-        _in_use.add(key)
     return handle
 
 

@@ -8,6 +8,8 @@ Details: docs/internals.md#compathorovodroundspy
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -20,10 +22,11 @@ from trainmesh.compat.horovod.agreement import Call, agreed, each_rank, refuse
 from trainmesh.compat.horovod.basics import ReduceOp, checks_collectives, rank, size
 from trainmesh.compat.horovod.errors import HorovodInternalError
 
-HEADER_LEN = 12  # [active ranks, kind, 5 fields, ranks whose own checks failed, ranks in hvd.barrier(), ranks whose
-# collective may wait (an *_async call's), sum of fingerprints, of squares]
+HEADER_LEN = 14  # [active ranks, kind, 5 fields, ranks whose own checks failed, ranks in hvd.barrier(), ranks whose
+# collective may wait (an *_async call's), of those the ranks waiting for it, ranks in a barrier with deferred
+# collectives of their own, sum of fingerprints, of squares]
 FIELDS = slice(1, 7)
-FAILED, BARRIERS, DEFERRABLE = 7, 8, 9
+FAILED, BARRIERS, DEFERRABLE, WAITING, QUEUED = 7, 8, 9, 10, 11
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -60,7 +63,8 @@ class RankJoinedError(RuntimeError):
 class Role(Enum):
     """How a round may meet other ranks' different rounds: an *_async call's collective waits (deferred, then
     started in call order before this rank's next round) while the other ranks are in hvd.barrier(), which Horovod's
-    barrier does not wait for; the barrier's ranks send their round again."""
+    barrier does not wait for; the barrier's ranks start their own deferred ones and send their round again. A rank
+    that waits for its deferred call (synchronize) cannot go on: when every such rank does, the ranks raise."""
 
     PLAIN = 0
     BARRIER = 1
@@ -72,9 +76,11 @@ class Deferred(Exception):
 
 
 # Each group's deferred starts, in call order (None: the global set's group). A start runs its round and collective,
-# or raises Deferred again.
+# or raises Deferred again; it keeps any other error for its handle.
 _deferred: dict[dist.ProcessGroup | None, deque[Callable[[], None]]] = {}
 _flushing: set[dist.ProcessGroup | None] = set()
+_waiting: set[dist.ProcessGroup | None] = set()
+deferral_lock = threading.RLock()  # one thread starts a group's deferred collectives at a time
 
 
 def defer(group: dist.ProcessGroup | None, start: Callable[[], None]) -> None:
@@ -82,25 +88,29 @@ def defer(group: dist.ProcessGroup | None, start: Callable[[], None]) -> None:
     _deferred.setdefault(group, deque()).append(start)
 
 
-def flush(group: dist.ProcessGroup | None) -> bool:
-    """Start the group's deferred collectives in call order, until one is deferred again; whether none is left."""
-    queue = _deferred.get(group)
-    if not queue or group in _flushing:  # flushing: the round is the deferred collective's own, at the queue's head
+def flush(group: dist.ProcessGroup | None, waiting: bool = False) -> bool:
+    """Start the group's deferred collectives in call order, until one is deferred again; whether none is left.
+    `waiting`: this rank waits for one of them (it cannot go on until it has run)."""
+    with deferral_lock:
+        queue = _deferred.get(group)
+        if not queue or group in _flushing:  # flushing: the round is the deferred collective's own, at the head
+            return True
+        _flushing.add(group)
+        if waiting:
+            _waiting.add(group)
+        try:
+            while queue:
+                try:
+                    queue[0]()  # raises Deferred while the other ranks are still in a barrier
+                except Deferred:
+                    return False
+                except Exception:  # its handle keeps the error (the other ranks raised it in their call)
+                    pass
+                queue.popleft()
+        finally:
+            _flushing.discard(group)
+            _waiting.discard(group)
         return True
-    _flushing.add(group)
-    try:
-        while queue:
-            try:
-                queue[0]()  # raises Deferred while the other ranks are still in a barrier
-            except Deferred:
-                return False
-            except Exception:
-                queue.popleft()  # it failed (its handle keeps the error): the next ones still start in order
-                raise
-            queue.popleft()
-    finally:
-        _flushing.discard(group)
-    return True
 
 
 def forget_deferred() -> None:
@@ -151,11 +161,18 @@ class Round:
 
 
 def _header(
-    kind: Kind, fingerprint: int, fields: Sequence[int] = (), failed: bool = False, role: Role = Role.PLAIN
+    kind: Kind,
+    fingerprint: int,
+    fields: Sequence[int] = (),
+    failed: bool = False,
+    role: Role = Role.PLAIN,
+    waiting: bool = False,
+    queued: bool = False,
 ) -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1], header[FAILED] = 1, int(kind), int(failed)
     header[BARRIERS], header[DEFERRABLE] = int(role == Role.BARRIER), int(role == Role.DEFERRABLE)
+    header[WAITING], header[QUEUED] = int(waiting), int(queued)
     header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
     header[-2], header[-1] = fingerprint, fingerprint * fingerprint
     return header.to(control_device())
@@ -175,6 +192,7 @@ def own_checks(group: dist.ProcessGroup | None = None) -> Iterator[None]:
         yield
     except ValueError:
         if _members(group) > 1:
+            flush(group)  # this rank's deferred collectives first: the others may be waiting in them
             dist.all_reduce(_header(Kind.OTHER, 0, failed=True), group=group)
         raise
 
@@ -193,21 +211,34 @@ def start_round(
         return Round()
     if role != Role.BARRIER and not flush(group) and role == Role.DEFERRABLE:
         raise Deferred  # behind a deferred collective: call order is kept
-    header = _header(kind, call.fingerprint() if checks_collectives() else 0, fields, role=role)
-    if kind != Kind.OTHER and not checks_collectives():
-        return Round(header, dist.all_reduce(header, async_op=True, group=group), members)
-    dist.all_reduce(header, group=group)
-    active, *_, failed, barriers, deferrable, total, squares = header.tolist()
-    if failed:  # checked first: the failed ranks sent no fingerprint
-        raise HorovodInternalError(
-            f"{call.what}: the arguments were refused on {failed} of {members} ranks (their ValueError says why), "
-            "so none ran"
-        )
+    waiting = role == Role.DEFERRABLE and group in _waiting
+    while True:  # a barrier's round goes again while other ranks' async calls defer
+        queued = role == Role.BARRIER and bool(_deferred.get(group))
+        fingerprint = call.fingerprint() if checks_collectives() else 0
+        header = _header(kind, fingerprint, fields, role=role, waiting=waiting, queued=queued)
+        if kind != Kind.OTHER and role == Role.PLAIN and not checks_collectives():
+            return Round(header, dist.all_reduce(header, async_op=True, group=group), members)
+        dist.all_reduce(header, group=group)
+        active, *_, failed, barriers, deferrable, blocked, queues, total, squares = header.tolist()
+        if failed:  # checked first: the failed ranks sent no fingerprint
+            raise HorovodInternalError(
+                f"{call.what}: the arguments were refused on {failed} of {members} ranks (their ValueError says "
+                "why), so none ran"
+            )
+        if not (0 < barriers < active and barriers + deferrable == active):
+            break
+        if blocked == deferrable and not queues:  # the ranks not in a barrier wait for a call to run: none goes on
+            raise HorovodInternalError(
+                f"{call.what}: {barriers} of {members} ranks wait in hvd.barrier() while the others wait for an "
+                "async collective (synchronize) that the barrier's ranks have not called, so no rank can go on "
+                "(Horovod would hang here). Fix: call the collective on every rank before the barrier, or the "
+                "barrier after synchronize() on every rank."
+            )
+        if role == Role.DEFERRABLE:
+            raise Deferred
+        if blocked:  # a barrier's rank: its own deferred collectives may be what the waiting ranks wait for
+            flush(group)
     if not agreed(active, total, squares):
-        if barriers and deferrable and barriers + deferrable == active:  # async calls meeting a barrier
-            if role == Role.DEFERRABLE:
-                raise Deferred
-            return start_round(kind, call, fields, group, role)  # the barrier: again, until they have deferred
         raise refuse(call, group)
     if kind == Kind.OTHER and active < members:
         raise RankJoinedError(
@@ -226,7 +257,7 @@ def join(device: int = -1) -> int:
     if size() == 1:
         return 0
     while not flush(None):  # this rank's deferred collectives first: the others wait in them
-        pass
+        time.sleep(0.01)
     sat_out = 0  # rounds this rank answered while joined; 0 for the ranks that joined last
     where = control_device()
     while True:
@@ -239,9 +270,9 @@ def join(device: int = -1) -> int:
         values = header.tolist()
         if values[FAILED]:  # an active rank's own checks failed: no collective follows
             continue
+        if 0 < values[BARRIERS] < active and values[BARRIERS] + values[DEFERRABLE] == active:
+            continue  # async calls meeting a barrier: they defer, the barrier's ranks send theirs again (or raise)
         if not agreed(active, values[-2], values[-1]):
-            if values[BARRIERS] and values[DEFERRABLE] and values[BARRIERS] + values[DEFERRABLE] == active:
-                continue  # async calls meeting a barrier: the barrier's ranks send theirs again
             each_rank(None)  # the active ranks disagree: tell them this rank is joined; they raise
             continue
         kind, *fields = (int(v) // active for v in values[FIELDS])

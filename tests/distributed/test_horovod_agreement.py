@@ -8,6 +8,7 @@ All checks run in one spawn (a module fixture): each test asserts on its part of
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -158,6 +159,19 @@ def _names_across_a_barrier(rank: int) -> dict[str, Any]:
     else:
         hvd.barrier()
         out["matched"] = hvd.allreduce(mine, name="a", op=hvd.Sum)
+        hvd.barrier()
+    # the same, the other rank polling its call until it is done (the barrier's rank starts its own first)
+    if rank == 0:
+        early = hvd.allreduce_async(mine, name="p", op=hvd.Sum)
+        hvd.barrier()
+        hvd.barrier()
+        out["polled"] = hvd.synchronize(early)
+    else:
+        hvd.barrier()
+        late = hvd.allreduce_async(mine, name="p", op=hvd.Sum)
+        while not hvd.poll(late):
+            time.sleep(0.01)
+        out["polled"] = hvd.synchronize(late)
         hvd.barrier()
     # many async calls deferred behind the other rank's barrier, run in call order once it arrives
     many = [mine * i for i in range(60)]
@@ -316,6 +330,7 @@ def test_a_name_in_flight_is_refused_and_async_calls_wait_behind_a_barrier(ranks
         assert "no rank can go on (Horovod would hang here)" in names.pop("stuck"), r["names"]
         assert torch.equal(names.pop("in_step"), torch.full((3,), 3.0))  # the ranks are in step again
         assert torch.equal(names.pop("matched"), torch.full((3,), 3.0))
+        assert torch.equal(names.pop("polled"), torch.full((3,), 3.0))
         assert names.pop("many") is True
     for rank, r in enumerate(ranks):
         for what, (second, result, again) in r["names"].items():

@@ -51,11 +51,11 @@ class Handle(Generic[T]):
         self._error: Exception | None = None  # a deferred collective's, raised where it is waited for
 
     def done(self) -> bool:
-        return self._start(waiting=False) and self._finished()
+        return self._start("polling") and self._finished()
 
     def wait(self) -> T:
         try:
-            while not self._start(waiting=True):
+            while not self._start("waiting"):
                 time.sleep(0.01)  # the other ranks are still in hvd.barrier() with deferred calls of their own
             with self._lock:
                 if self._finish is not None:
@@ -73,13 +73,13 @@ class Handle(Generic[T]):
     def _finished(self) -> bool:
         return self._finish is None or all(w.is_completed() for w in self._works)
 
-    def _start(self, waiting: bool) -> bool:
+    def _start(self, asking: str) -> bool:
         """Whether the collective has started: a deferred one starts with the group's deferred ones before it
-        (`waiting`: this rank cannot go on until it has)."""
+        (`asking`: "waiting", this rank cannot go on until it has, or "polling")."""
         with deferral_lock:
             if self._started:
                 return True
-            if not flush(self._group, waiting):
+            if not flush(self._group, asking):
                 return False
         if self._error is not None:
             raise self._error

@@ -22,11 +22,11 @@ from trainmesh.compat.horovod.agreement import Call, agreed, each_rank, refuse
 from trainmesh.compat.horovod.basics import ReduceOp, checks_collectives, rank, size
 from trainmesh.compat.horovod.errors import HorovodInternalError
 
-HEADER_LEN = 14  # [active ranks, kind, 5 fields, ranks whose own checks failed, ranks in hvd.barrier(), ranks whose
-# collective may wait (an *_async call's), of those the ranks waiting for it, ranks in a barrier with deferred
-# collectives of their own, sum of fingerprints, of squares]
+HEADER_LEN = 15  # [active ranks, kind, 5 fields, ranks whose own checks failed, ranks in hvd.barrier(), ranks whose
+# collective may wait (an *_async call's), of those the ranks waiting for it and those polling it, ranks in a barrier
+# with deferred collectives of their own, sum of fingerprints, of squares]
 FIELDS = slice(1, 7)
-FAILED, BARRIERS, DEFERRABLE, WAITING, QUEUED = 7, 8, 9, 10, 11
+FAILED, BARRIERS, DEFERRABLE, WAITING, POLLING, QUEUED = 7, 8, 9, 10, 11, 12
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -79,7 +79,7 @@ class Deferred(Exception):
 # or raises Deferred again; it keeps any other error for its handle.
 _deferred: dict[dist.ProcessGroup | None, deque[Callable[[], None]]] = {}
 _flushing: set[dist.ProcessGroup | None] = set()
-_waiting: set[dist.ProcessGroup | None] = set()
+_asking: dict[dist.ProcessGroup | None, str] = {}  # groups whose deferred calls this rank waits for or polls
 deferral_lock = threading.RLock()  # one thread starts a group's deferred collectives at a time
 
 
@@ -88,28 +88,31 @@ def defer(group: dist.ProcessGroup | None, start: Callable[[], None]) -> None:
     _deferred.setdefault(group, deque()).append(start)
 
 
-def flush(group: dist.ProcessGroup | None, waiting: bool = False) -> bool:
+def flush(group: dist.ProcessGroup | None, asking: str = "") -> bool:
     """Start the group's deferred collectives in call order, until one is deferred again; whether none is left.
-    `waiting`: this rank waits for one of them (it cannot go on until it has run)."""
+    `asking`: "waiting" (this rank cannot go on until one of them has run) or "polling" for one of them."""
     with deferral_lock:
         queue = _deferred.get(group)
         if not queue or group in _flushing:  # flushing: the round is the deferred collective's own, at the head
             return True
         _flushing.add(group)
-        if waiting:
-            _waiting.add(group)
+        if asking:
+            _asking[group] = asking
         try:
             while queue:
                 try:
                     queue[0]()  # raises Deferred while the other ranks are still in a barrier
                 except Deferred:
                     return False
-                except Exception:  # its handle keeps the error (the other ranks raised it in their call)
-                    pass
+                except Exception:  # its handle keeps the error (the other ranks raised it in their call); a rank
+                    queue.popleft()  # that waits cannot go on: it raises it too
+                    if asking == "waiting":
+                        raise
+                    continue
                 queue.popleft()
         finally:
             _flushing.discard(group)
-            _waiting.discard(group)
+            _asking.pop(group, None)
         return True
 
 
@@ -166,13 +169,14 @@ def _header(
     fields: Sequence[int] = (),
     failed: bool = False,
     role: Role = Role.PLAIN,
-    waiting: bool = False,
+    asking: str = "",
     queued: bool = False,
 ) -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1], header[FAILED] = 1, int(kind), int(failed)
     header[BARRIERS], header[DEFERRABLE] = int(role == Role.BARRIER), int(role == Role.DEFERRABLE)
-    header[WAITING], header[QUEUED] = int(waiting), int(queued)
+    header[WAITING], header[POLLING] = int(asking == "waiting"), int(asking == "polling")
+    header[QUEUED] = int(queued)
     header[2 : 2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
     header[-2], header[-1] = fingerprint, fingerprint * fingerprint
     return header.to(control_device())
@@ -211,15 +215,15 @@ def start_round(
         return Round()
     if role != Role.BARRIER and not flush(group) and role == Role.DEFERRABLE:
         raise Deferred  # behind a deferred collective: call order is kept
-    waiting = role == Role.DEFERRABLE and group in _waiting
+    asking = _asking.get(group, "") if role == Role.DEFERRABLE else ""
     while True:  # a barrier's round goes again while other ranks' async calls defer
         queued = role == Role.BARRIER and bool(_deferred.get(group))
         fingerprint = call.fingerprint() if checks_collectives() else 0
-        header = _header(kind, fingerprint, fields, role=role, waiting=waiting, queued=queued)
+        header = _header(kind, fingerprint, fields, role=role, asking=asking, queued=queued)
         if kind != Kind.OTHER and role == Role.PLAIN and not checks_collectives():
             return Round(header, dist.all_reduce(header, async_op=True, group=group), members)
         dist.all_reduce(header, group=group)
-        active, *_, failed, barriers, deferrable, blocked, queues, total, squares = header.tolist()
+        active, *_, failed, barriers, deferrable, blocked, polling, queues, total, squares = header.tolist()
         if failed:  # checked first: the failed ranks sent no fingerprint
             raise HorovodInternalError(
                 f"{call.what}: the arguments were refused on {failed} of {members} ranks (their ValueError says "
@@ -227,7 +231,8 @@ def start_round(
             )
         if not (0 < barriers < active and barriers + deferrable == active):
             break
-        if blocked == deferrable and not queues:  # the ranks not in a barrier wait for a call to run: none goes on
+        # Only when every barrier rank has deferred calls of its own can they be what the others wait for
+        if blocked == deferrable and queues < barriers:  # the async ranks all wait: none can go on
             raise HorovodInternalError(
                 f"{call.what}: {barriers} of {members} ranks wait in hvd.barrier() while the others wait for an "
                 "async collective (synchronize) that the barrier's ranks have not called, so no rank can go on "
@@ -236,7 +241,7 @@ def start_round(
             )
         if role == Role.DEFERRABLE:
             raise Deferred
-        if blocked:  # a barrier's rank: its own deferred collectives may be what the waiting ranks wait for
+        if (blocked or polling) and queues == barriers:  # a barrier's rank: the others wait for or poll a call
             flush(group)
     if not agreed(active, total, squares):
         raise refuse(call, group)
@@ -256,7 +261,7 @@ def join(device: int = -1) -> int:
     root_rank=hvd.join())` gives every rank the final weights. `device` is accepted for Horovod's signature."""
     if size() == 1:
         return 0
-    while not flush(None):  # this rank's deferred collectives first: the others wait in them
+    while not flush(None, "waiting"):  # this rank's deferred collectives first: the others wait in them
         time.sleep(0.01)
     sat_out = 0  # rounds this rank answered while joined; 0 for the ranks that joined last
     where = control_device()

@@ -150,28 +150,23 @@ def _names_across_a_barrier(rank: int) -> dict[str, Any]:
     # A call waited for on one rank while the other waits in a barrier: no rank can go on; both raise at once
     out["stuck"] = _error(lambda: hvd.allreduce(mine, name="stuck") if rank == 0 else hvd.barrier())
     out["in_step"] = hvd.allreduce(mine, op=hvd.Sum)
-    # Horovod's order-free pattern: rank 0's async call is matched by rank 1's call after rank 0's first barrier
-    if rank == 0:
-        early = hvd.allreduce_async(mine, name="a", op=hvd.Sum)
+    # Horovod's order-free pattern: rank 0's async call is matched by rank 1's call after rank 0's first barrier,
+    # waited for or polled until done (the barrier's rank starts its own deferred call first)
+    for key in ("matched", "polled"):
+        if rank == 0:
+            early = hvd.allreduce_async(mine, name=key, op=hvd.Sum)
+            hvd.barrier()
+            hvd.barrier()
+            out[key] = hvd.synchronize(early)
+            continue
         hvd.barrier()
-        hvd.barrier()
-        out["matched"] = hvd.synchronize(early)
-    else:
-        hvd.barrier()
-        out["matched"] = hvd.allreduce(mine, name="a", op=hvd.Sum)
-        hvd.barrier()
-    # the same, the other rank polling its call until it is done (the barrier's rank starts its own first)
-    if rank == 0:
-        early = hvd.allreduce_async(mine, name="p", op=hvd.Sum)
-        hvd.barrier()
-        hvd.barrier()
-        out["polled"] = hvd.synchronize(early)
-    else:
-        hvd.barrier()
-        late = hvd.allreduce_async(mine, name="p", op=hvd.Sum)
-        while not hvd.poll(late):
-            time.sleep(0.01)
-        out["polled"] = hvd.synchronize(late)
+        if key == "matched":  # a blocking call
+            out[key] = hvd.allreduce(mine, name=key, op=hvd.Sum)
+        else:
+            late = hvd.allreduce_async(mine, name=key, op=hvd.Sum)
+            while not hvd.poll(late):
+                time.sleep(0.01)
+            out[key] = hvd.synchronize(late)
         hvd.barrier()
     # many async calls deferred behind the other rank's barrier, run in call order once it arrives
     many = [mine * i for i in range(60)]

@@ -63,8 +63,9 @@ class RankJoinedError(RuntimeError):
 class Role(Enum):
     """How a round may meet other ranks' different rounds: an *_async call's collective waits (deferred, then
     started in call order before this rank's next round) while the other ranks are in hvd.barrier(), which Horovod's
-    barrier does not wait for; the barrier's ranks start their own deferred ones and send their round again. A rank
-    that waits for its deferred call (synchronize) cannot go on: when every such rank does, the ranks raise."""
+    barrier does not wait for; the barrier's ranks send their round again, first starting their own deferred ones
+    when the others wait for or poll theirs. When every async rank waits and not every barrier rank has a deferred
+    call to start, no rank can go on: the ranks raise."""
 
     PLAIN = 0
     BARRIER = 1

@@ -192,6 +192,7 @@ def test_env_and_check_commands(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     assert "world size 8: OK" in out and "world size 16: OK" in out
 
 
+@pytest.mark.timeout(360)  # a cold inductor compile: 40 s alone, up to 120 s beside two other workers
 def test_torch_compile_trains_samples_and_saves_plain_keys(tmp_path: Path) -> None:
     config = nano_toml(tmp_path)
     overrides = ["--train.max_steps=3", "--train.compile=true", "--checkpoint.final=true", "--run.id=c"]

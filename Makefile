@@ -57,8 +57,8 @@ typecheck: $(VENV)/.installed
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist): its multi-process tests wait on launches, rendezvous and
 # timers for much of their time, which the other workers' tests fill; a worker that runs out takes another's. On the
-# 2-core development machine 3 workers keep the cores about 75% busy (2: pytest 22 min, 3: 20 min with other work
-# running beside it).
+# 2-core development machine, clean clones: 2 workers, pytest 22 min; 3 workers, 15 min (the per-test timeout in
+# pyproject.toml leaves room for the slowest tests beside two others).
 TEST_WORKERS ?= 3
 
 test: lint typecheck

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import trainmesh.horovod as hvd
-from trainmesh.compat.horovod.ops import Handle, finish_reduction
+from trainmesh.compat.horovod.handles import Handle
+from trainmesh.compat.horovod.ops import finish_reduction
 from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

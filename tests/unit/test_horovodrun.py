@@ -74,7 +74,7 @@ def test_several_hosts_are_refused_with_the_command_for_each(script: str) -> Non
         (["-np", "2", "--mpi", "x.py"], "flag --mpi is not supported: trainmesh launches with torchrun"),
         (
             ["-np", "2", "--min-np", "1", "x.py"],
-            "elastic Horovod is not supported: for a job whose nodes may come and go",
+            "horovodrun's elastic launch has no counterpart here: hvd.elastic scripts run under torchrun's elastic",
         ),
         (["-np", "2", "--timeline-filename", "t.json", "x.py"], "timeline is not supported: record the collectives"),
         (["-np", "2", "-p", "22", "x.py"], "trainmesh does not ssh into hosts"),

@@ -47,8 +47,9 @@ _REFUSED_GROUPS = {
     ),
     "trainmesh does not ssh into hosts: on several machines start one trainmesh run per machine "
     "(docs/clusters.md), and drop it": "-p --ssh-port -i --ssh-identity-file --network-interface --nics",
-    "elastic Horovod is not supported: for a job whose nodes may come and go, use trainmesh run --nnodes MIN:MAX "
-    "--rdzv-endpoint HOST:PORT (docs/operations.md)": (
+    "horovodrun's elastic launch has no counterpart here: hvd.elastic scripts run under torchrun's elastic agent, "
+    "trainmesh run --nnodes MIN:MAX --max-restarts N --rdzv-endpoint HOST:PORT script.py (docs/horovod.md, "
+    "hvd.elastic)": (
         "--min-np --max-np --min-num-proc --max-num-proc --slots-per-host --slots --host-discovery-script "
         "--elastic-timeout --reset-limit --blacklist-cooldown-range --cooldown-range"
     ),

@@ -69,8 +69,8 @@ from trainmesh.compat.horovod.gather import (
     grouped_allgather,
     grouped_allgather_async,
 )
+from trainmesh.compat.horovod.handles import Handle, poll, synchronize
 from trainmesh.compat.horovod.ops import (
-    Handle,
     allreduce,
     allreduce_,
     allreduce_async,
@@ -80,8 +80,6 @@ from trainmesh.compat.horovod.ops import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    poll,
-    synchronize,
 )
 from trainmesh.compat.horovod.optimizer import DistributedOptimizer
 from trainmesh.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set

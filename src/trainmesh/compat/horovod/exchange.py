@@ -16,18 +16,15 @@ from trainmesh.compat.horovod.agreement import describe
 from trainmesh.compat.horovod.basics import ReduceOp
 from trainmesh.compat.horovod.compression import Compression, Compressor
 from trainmesh.compat.horovod.gather import allgather, allgather_async
+from trainmesh.compat.horovod.handles import Handle, group_handle, launch, synchronize
 from trainmesh.compat.horovod.ops import (
-    Handle,
     check,
     check_contiguous,
     finish_reduction,
-    group_handle,
-    launch,
     on_wire,
     part_names,
     resolve_op,
     scale_,
-    synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet
 from trainmesh.compat.horovod.rounds import TORCH_OPS, Kind, Role, own_checks, start_round

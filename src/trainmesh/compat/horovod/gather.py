@@ -13,17 +13,14 @@ import torch.distributed as dist
 
 from trainmesh.compat.horovod.agreement import describe
 from trainmesh.compat.horovod.basics import ReduceOp, rank
+from trainmesh.compat.horovod.handles import Handle, group_handle, launch, synchronize
 from trainmesh.compat.horovod.ops import (
-    Handle,
     allreduce_async,
     check,
     check_contiguous,
     copy_back,
-    group_handle,
-    launch,
     on_wire,
     part_names,
-    synchronize,
 )
 from trainmesh.compat.horovod.process_sets import ProcessSet, resolve
 from trainmesh.compat.horovod.rounds import Kind, Role, own_checks, start_round

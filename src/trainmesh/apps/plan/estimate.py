@@ -13,8 +13,9 @@ from trainmesh.apps.plan.cluster import Cluster
 from trainmesh.apps.plan.layouts import Candidate
 from trainmesh.apps.plan.memory import PrecisionBytes, element_bytes
 from trainmesh.apps.plan.model import ModelSpec
-from trainmesh.apps.plan.rank_memory import checkpointed_blocks, param_bytes, stage_memory
+from trainmesh.apps.plan.rank_memory import stage_memory
 from trainmesh.apps.plan.schedules import loss_rank
+from trainmesh.apps.plan.stage_parts import checkpointed_blocks, param_bytes
 from trainmesh.strategies import SCHEDULES
 
 TIME_PARTS = ("compute", "bubble", "comm", "optimizer", "offload")

@@ -192,8 +192,13 @@ def gloo_enabled() -> bool:
     return is_initialized() and "gloo" in str(dist.get_backend())
 
 
-def nccl_built() -> bool:
-    return dist.is_nccl_available()
+def nccl_built() -> int:
+    """NCCL's version code (NCCL_VERSION_CODE: 22703 for 2.27.3, 2708 for 2.7.8) when this torch has NCCL, else 0:
+    Horovod's value, which scripts and its tests compare with versions (`hvd.nccl_built() >= 2700`)."""
+    if not dist.is_nccl_available():
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * (1000 if major <= 2 and minor <= 8 else 10000) + minor * 100 + patch
 
 
 def cuda_built() -> bool:

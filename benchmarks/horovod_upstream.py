@@ -15,6 +15,7 @@ waited for). Prints the counts and every test that did not pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,8 @@ import tempfile
 from pathlib import Path
 from xml.etree import ElementTree
 
+import psutil
+
 RANK_MAIN = """\
 import os, sys
 import pytest
@@ -36,13 +39,17 @@ for ours, theirs in [("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "L
 os.environ["HOROVOD_CROSS_SIZE"] = "1"
 if os.environ.get("HOROVOD_UPSTREAM_WITHOUT_MUON") == "1":
     import torch
-    everything = type.__subclasses__(torch.optim.Optimizer)
-    torch.optim.Optimizer.__subclasses__ = lambda: [c for c in everything if c.__name__ != "Muon"]
+    def subclasses(cls):
+        found = type.__subclasses__(cls)
+        return [c for c in found if c.__name__ != "Muon"] if cls is torch.optim.Optimizer else found
+    torch.optim.Optimizer.__subclasses__ = classmethod(subclasses)
 junit = os.path.join(sys.argv[1], "rank%s.xml" % os.environ["RANK"])
 os.chdir(sys.argv[2])
 sys.exit(pytest.main(["-v", "-p", "no:cacheprovider", "-o", "addopts=", "--junit-xml", junit, *sys.argv[3:]]))
 """
 ALIAS = "import sys\nimport trainmesh.horovod as _shim\n\nsys.modules[__name__] = _shim\n"
+RANKING = ["FAILED", "PASSED", "SKIPPED"]
+"""A test's outcome over the two ranks: failed on either, else passed on either, else skipped."""
 VERBOSE = re.compile(r"::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)")
 """pytest -v's line for a test: what a pair that hung (no report written) had finished."""
 
@@ -70,26 +77,41 @@ def free_port() -> int:
 def run_pair(
     root: Path, tests: Path, selection: list[str], timeout: float, log: Path | None
 ) -> tuple[dict[str, str], bool]:
-    """2 ranks under torchrun running pytest on `selection`: each test's outcome (FAILED when it failed on either
-    rank), and whether the time limit ended the pair; `log`: where to write their output."""
+    """2 ranks under torchrun running pytest on `selection`: each test's outcome over the two ranks (RANKING), and
+    whether the time limit ended the pair; `log`: where to write their output."""
     src = Path(__file__).resolve().parents[1] / "src"
     path = os.pathsep.join(filter(None, [str(src), str(root), os.environ.get("PYTHONPATH")]))
     env = os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     reports = Path(tempfile.mkdtemp(dir=root))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
     command += [str(free_port()), str(root / "rank_main.py"), str(reports), str(tests), *selection]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-        output, hung = done.stdout + done.stderr, False
-    except subprocess.TimeoutExpired as e:
-        output, hung = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "", True
+    with tempfile.TemporaryFile("w+") as output:
+        pair = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        try:
+            pair.wait(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            _end(pair.pid)
+            pair.wait()
+            hung = True
+        output.seek(0)
+        text = output.read()
     if log is not None:
-        log.write_text(output)
+        log.write_text(text)
     found: dict[str, str] = {}
-    for test, outcome in _reported(reports) or [(t, o) for t, o in VERBOSE.findall(output)]:
-        if found.get(test) != "FAILED":
-            found[test] = "FAILED" if outcome == "ERROR" else outcome
+    for test, outcome in _reported(reports) or VERBOSE.findall(text):
+        outcome = "FAILED" if outcome == "ERROR" else outcome
+        found[test] = min(found.get(test, outcome), outcome, key=RANKING.index)
     return found, hung
+
+
+def _end(pid: int) -> None:
+    """Kill torchrun and its workers (each runs in a session of its own, so killing torchrun leaves them)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        launcher = psutil.Process(pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def _reported(reports: Path) -> list[tuple[str, str]]:
@@ -123,22 +145,27 @@ def main() -> None:
         sys.exit(f"{args.horovod}: no test/parallel/test_torch.py there; give a checkout of horovod/horovod")
     names = re.findall(r"^    def (test_\w+)", (tests / "test_torch.py").read_text(), re.M)
     names = [n for n in names if re.search(args.only, n)]
+    if not names:
+        sys.exit(f"--only {args.only!r}: no test of test_torch.py matches it")
     root = harness(args.horovod)
     os.environ["HOROVOD_UPSTREAM_WITHOUT_MUON"] = "1" if args.without_muon else "0"
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, str] = {}
-    if args.each:
-        for name in names:
-            log = args.logs / f"{name}.log" if args.logs else None
-            found, hung = run_pair(root, tests, [f"test_torch.py::TorchTests::{name}"], args.timeout, log)
-            results[name] = "HUNG" if hung else found.get(name, "FAILED")
-            print(f"{results[name]:8} {name}", flush=True)
-    else:
-        selection = ["test_torch.py"] + (["-k", " or ".join(names)] if args.only else [])
-        found, hung = run_pair(root, tests, selection, 60.0 * len(names), args.logs / "pair.log" if args.logs else None)
-        results = {n: found.get(n, "HUNG" if hung else "FAILED") for n in names}
-    shutil.rmtree(root)
+    try:
+        if args.each:
+            for name in names:
+                log = args.logs / f"{name}.log" if args.logs else None
+                found, hung = run_pair(root, tests, [f"test_torch.py::TorchTests::{name}"], args.timeout, log)
+                results[name] = "HUNG" if hung else found.get(name, "FAILED")
+                print(f"{results[name]:8} {name}", flush=True)
+        else:
+            selection = [f"test_torch.py::TorchTests::{n}" for n in names] if args.only else ["test_torch.py"]
+            log = args.logs / "pair.log" if args.logs else None
+            found, hung = run_pair(root, tests, selection, 60.0 * len(names), log)
+            results = {n: found.get(n, "HUNG" if hung else "FAILED") for n in names}
+    finally:
+        shutil.rmtree(root)
     counts = {k: sum(v == k for v in results.values()) for k in ("PASSED", "FAILED", "HUNG", "SKIPPED")}
     print(f"{len(results)} tests, {'each in its own pair' if args.each else 'as one pair'}: {counts}")
     for name, outcome in results.items():

@@ -48,8 +48,8 @@ _REFUSED_GROUPS = {
     "trainmesh does not ssh into hosts: on several machines start one trainmesh run per machine "
     "(docs/clusters.md), and drop it": "-p --ssh-port -i --ssh-identity-file --network-interface --nics",
     "horovodrun's elastic launch has no counterpart here: hvd.elastic scripts run under torchrun's elastic agent, "
-    "trainmesh run --nnodes MIN:MAX --max-restarts N --rdzv-endpoint HOST:PORT script.py (docs/horovod.md, "
-    "hvd.elastic)": (
+    "trainmesh run --nproc-per-node P --nnodes MIN:MAX --max-restarts R --rdzv-endpoint HOST:PORT script.py "
+    "(docs/horovod.md, hvd.elastic)": (
         "--min-np --max-np --min-num-proc --max-num-proc --slots-per-host --slots --host-discovery-script "
         "--elastic-timeout --reset-limit --blacklist-cooldown-range --cooldown-range"
     ),

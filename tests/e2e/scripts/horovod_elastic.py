@@ -1,12 +1,13 @@
-"""A Horovod elastic script as Horovod's elastic examples write one (examples/elastic/pytorch/), changed only in its
-import: hvd.elastic.run over a TorchState, committed after each epoch, with rank 0 saving each commit to a
+"""An elastic Horovod script in the style of Horovod's elastic examples (examples/elastic/pytorch/), on
+trainmesh.horovod: hvd.elastic.run over a TorchState, committed after each epoch, with rank 0 saving each commit to a
 checkpoint that a restarted job resumes from (torchrun restarts every worker; docs/horovod.md, "hvd.elastic").
 
-    trainmesh run --nproc-per-node 2 --max-restarts 1 horovod_elastic.py OUT EPOCHS PAUSE
+    trainmesh run --nproc-per-node 2 --max-restarts 1 horovod_elastic.py OUT EPOCHS PAUSE [HOLD]
 
-Writes OUT/pid.<rank>.<attempt> as it starts, OUT/epochs.log (rank 0: attempt, world size, epoch committed, after
-each save), OUT/checkpoint.pt (its "history": the (world size, epoch) of each commit it descends from) and
-OUT/final.pt (rank 0: the weights). PAUSE: seconds to sleep half way through each epoch.
+Writes OUT/pid.<rank>.<attempt> as it starts, OUT/paused.<rank>.<attempt>.<epoch> as it pauses (PAUSE seconds, after
+half of each epoch's batches), OUT/checkpoint.pt (with its "history": the (attempt, world size, epoch) of each commit
+it descends from) and OUT/final.pt (rank 0: the weights). HOLD: alone, wait after that epoch's commit for another
+node to join (torchrun then restarts this worker).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-import trainmesh.horovod as hvd  # was: import horovod.torch as hvd
+import trainmesh.horovod as hvd  # Horovod's: import horovod.torch as hvd
 
 BATCH = 8
 
 
 def main() -> None:
     out, epochs, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    hold = int(sys.argv[4]) if len(sys.argv) > 4 else epochs
     hvd.init()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (out / f"pid.{hvd.rank()}.{attempt}").write_text(str(os.getpid()))
@@ -47,29 +49,30 @@ def main() -> None:
 
     def save() -> None:
         if hvd.rank() == 0:  # whole or not at all: a kill mid-write leaves the previous checkpoint
-            history.append((hvd.size(), state.epoch))
+            history.append((int(attempt), hvd.size(), state.epoch))
             saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": state.epoch}
             torch.save(saved | {"sampler": sampler.state_dict(), "history": history}, out / "checkpoint.tmp")
             os.replace(out / "checkpoint.tmp", checkpoint)
-            with open(out / "epochs.log", "a") as log:
-                log.write(f"{attempt} {hvd.size()} {state.epoch}\n")
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         while state.epoch < epochs:
             indices = list(state.sampler)
-            for i, start in enumerate(range(0, len(indices), BATCH)):
-                batch = indices[start : start + BATCH]
+            batches = [indices[start : start + BATCH] for start in range(0, len(indices), BATCH)]
+            for i, batch in enumerate(batches):
+                if i == len(batches) // 2:  # half an epoch that a kill now loses
+                    (out / f"paused.{hvd.rank()}.{attempt}.{state.epoch + 1}").touch()
+                    time.sleep(pause)
                 state.optimizer.zero_grad()
                 torch.nn.functional.mse_loss(state.model(x[batch]), y[batch]).backward()
                 state.optimizer.step()
                 state.sampler.record_batch(i, BATCH)
-                if start == len(indices) // 2 // BATCH * BATCH:
-                    time.sleep(pause)  # half an epoch that a kill now loses
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()
             save()
+            while hvd.size() == 1 and state.epoch == hold:
+                time.sleep(0.1)  # until torchrun stops this worker to restart it with the node that joins
 
     train(state)
     if hvd.rank() == 0:

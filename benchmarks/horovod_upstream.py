@@ -44,12 +44,16 @@ if os.environ.get("HOROVOD_UPSTREAM_WITHOUT_MUON") == "1":
         return [c for c in found if c.__name__ != "Muon"] if cls is torch.optim.Optimizer else found
     torch.optim.Optimizer.__subclasses__ = classmethod(subclasses)
 junit = os.path.join(sys.argv[1], "rank%s.xml" % os.environ["RANK"])
+log = open(os.path.join(sys.argv[1], "rank%s.log" % os.environ["RANK"]), "w")  # each rank's own output
+os.dup2(log.fileno(), 1)
+os.dup2(log.fileno(), 2)
 os.chdir(sys.argv[2])
 sys.exit(pytest.main(["-v", "-p", "no:cacheprovider", "-o", "addopts=", "--junit-xml", junit, *sys.argv[3:]]))
 """
 ALIAS = "import sys\nimport trainmesh.horovod as _shim\n\nsys.modules[__name__] = _shim\n"
 RANKING = ["FAILED", "PASSED", "SKIPPED"]
-"""A test's outcome over the two ranks: failed on either, else passed on either, else skipped."""
+"""A test's outcome over the two ranks, when both finished it: failed on either, else passed on either, else
+skipped."""
 VERBOSE = re.compile(r"::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)")
 """pytest -v's line for a test: what a pair that hung (no report written) had finished."""
 
@@ -85,23 +89,27 @@ def run_pair(
     reports = Path(tempfile.mkdtemp(dir=root))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
     command += [str(free_port()), str(root / "rank_main.py"), str(reports), str(tests), *selection]
-    with tempfile.TemporaryFile("w+") as output:
-        pair = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+    with open(reports / "torchrun.log", "w") as torchrun:
+        launcher = subprocess.Popen(command, env=env, stdout=torchrun, stderr=subprocess.STDOUT)
         try:
-            pair.wait(timeout=timeout)
+            launcher.wait(timeout=timeout)
             hung = False
         except subprocess.TimeoutExpired:
-            _end(pair.pid)
-            pair.wait()
+            _end(launcher.pid)
+            launcher.wait()
             hung = True
-        output.seek(0)
-        text = output.read()
+    logs = [reports / f"rank{r}.log" for r in range(2)]
     if log is not None:
-        log.write_text(text)
-    found: dict[str, str] = {}
-    for test, outcome in _reported(reports) or VERBOSE.findall(text):
-        outcome = "FAILED" if outcome == "ERROR" else outcome
-        found[test] = min(found.get(test, outcome), outcome, key=RANKING.index)
+        parts = {"torchrun": reports / "torchrun.log", "rank 0": logs[0], "rank 1": logs[1]}
+        log.write_text("".join(f"== {k} ==\n{p.read_text() if p.exists() else ''}\n" for k, p in parts.items()))
+    ranks = [_reported(reports / f"rank{r}.xml", logs[r]) for r in range(2)]
+    found = {}
+    for test in set(ranks[0]) | set(ranks[1]):
+        outcomes = [r.get(test, "") for r in ranks]
+        if "FAILED" in outcomes:
+            found[test] = "FAILED"
+        elif "" not in outcomes:  # a rank that never finished it: hung, or crashed (the caller counts it)
+            found[test] = min(outcomes, key=RANKING.index)
     return found, hung
 
 
@@ -114,15 +122,18 @@ def _end(pid: int) -> None:
                 process.kill()
 
 
-def _reported(reports: Path) -> list[tuple[str, str]]:
-    """(test, outcome) from the ranks' JUnit reports (both ranks wrote theirs unless the pair was stopped)."""
-    found = []
-    for report in sorted(reports.glob("rank*.xml")):
+def _reported(report: Path, log: Path) -> dict[str, str]:
+    """One rank's outcome of each test it finished: from its JUnit report, or when it was stopped before writing one,
+    from its pytest -v lines."""
+    if report.exists():
+        found = {}
         for case in ElementTree.parse(report).iter("testcase"):
             kinds = {child.tag for child in case}
             outcome = "FAILED" if kinds & {"failure", "error"} else "SKIPPED" if "skipped" in kinds else "PASSED"
-            found.append((case.get("name", ""), outcome))
-    return found if len(list(reports.glob("rank*.xml"))) == 2 else []
+            found[case.get("name", "")] = outcome
+        return found
+    lines = VERBOSE.findall(log.read_text()) if log.exists() else []
+    return {test: "FAILED" if outcome == "ERROR" else outcome for test, outcome in lines}
 
 
 def main() -> None:

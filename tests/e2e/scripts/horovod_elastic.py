@@ -2,18 +2,18 @@
 trainmesh.horovod: hvd.elastic.run over a TorchState, committed after each epoch, with rank 0 saving each commit to a
 checkpoint that a restarted job resumes from (torchrun restarts every worker; docs/horovod.md, "hvd.elastic").
 
-    trainmesh run --nproc-per-node 2 --max-restarts 1 horovod_elastic.py OUT EPOCHS PAUSE [HOLD]
+    trainmesh run --nproc-per-node 2 --max-restarts 1 horovod_elastic.py OUT EPOCHS [--pause E] [--hold E]
 
-Writes OUT/pid.<rank>.<attempt> as it starts, OUT/paused.<rank>.<attempt>.<epoch> as it pauses (PAUSE seconds, after
-half of each epoch's batches), OUT/checkpoint.pt (with its "history": the (attempt, world size, epoch) of each commit
-it descends from) and OUT/final.pt (rank 0: the weights). HOLD: alone, wait after that epoch's commit for another
-node to join (torchrun then restarts this worker).
+Writes OUT/pid.<rank>.<attempt> as it starts, OUT/checkpoint.pt (with its "history": the (attempt, world size,
+epoch) of each commit it descends from) and OUT/final.pt (rank 0: the weights). --pause E: half way through epoch E
+each rank writes OUT/paused.<rank>.<world size> and waits until OUT/release exists (so a test can kill a process
+there). --hold E: alone, wait after epoch E's commit for another node to join (torchrun then restarts the worker).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +25,13 @@ BATCH = 8
 
 
 def main() -> None:
-    out, epochs, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    hold = int(sys.argv[4]) if len(sys.argv) > 4 else epochs
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("epochs", type=int)
+    parser.add_argument("--pause", type=int, default=0)
+    parser.add_argument("--hold", type=int, default=0)
+    args = parser.parse_args()
+    out = args.out
     hvd.init()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (out / f"pid.{hvd.rank()}.{attempt}").write_text(str(os.getpid()))
@@ -56,13 +61,15 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
-        while state.epoch < epochs:
+        while state.epoch < args.epochs:
             indices = list(state.sampler)
             batches = [indices[start : start + BATCH] for start in range(0, len(indices), BATCH)]
             for i, batch in enumerate(batches):
-                if i == len(batches) // 2:  # half an epoch that a kill now loses
-                    (out / f"paused.{hvd.rank()}.{attempt}.{state.epoch + 1}").touch()
-                    time.sleep(pause)
+                if i == len(batches) // 2 and state.epoch + 1 == args.pause:  # half an epoch a kill now loses
+                    (out / f"paused.{hvd.rank()}.{hvd.size()}").touch()
+                    deadline = time.monotonic() + 120
+                    while not (out / "release").exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 state.optimizer.zero_grad()
                 torch.nn.functional.mse_loss(state.model(x[batch]), y[batch]).backward()
                 state.optimizer.step()
@@ -71,7 +78,7 @@ def main() -> None:
             state.sampler.set_epoch(state.epoch)
             state.commit()
             save()
-            while hvd.size() == 1 and state.epoch == hold:
+            while hvd.size() == 1 and state.epoch == args.hold:
                 time.sleep(0.1)  # until torchrun stops this worker to restart it with the node that joins
 
     train(state)

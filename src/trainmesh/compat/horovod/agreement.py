@@ -5,8 +5,10 @@ rank's call. Without the check, torch.distributed returns a wrong result (dtypes
 all-reduce's sizes) or hangs (two roots).
 
 Cost: the header all-reduce, which hvd.join() needs anyway, is waited for before the collective starts: one small
-round trip (10 integers) per call, per DistributedOptimizer step (not per gradient). TRAINMESH_HOROVOD_CHECK=0 in
-the environment of hvd.init() turns the check off (the headers are then sent without waiting, as before).
+round trip (15 integers) per call, per DistributedOptimizer step (not per gradient). TRAINMESH_HOROVOD_CHECK=0 in
+the environment of hvd.init() turns the check off: no fingerprint is compared, and a DistributedOptimizer step's
+header goes without waiting (every other call still waits for its header: an all-reduce may be deferred behind a
+barrier, and the other collectives raise when a rank has joined).
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def own_checks(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Run this rank's checks of its own arguments (before the round): when one raises ValueError, the round's
     header tells the other ranks, which raise HorovodInternalError, before it is re-raised here. Raising on this
     rank alone would leave the others waiting in (or pairing with this rank's next call) a collective that this
-    rank never runs. With TRAINMESH_HOROVOD_CHECK=0 the other ranks do not wait for an all-reduce's header."""
+    rank never runs. With TRAINMESH_HOROVOD_CHECK=0 only a DistributedOptimizer step's header goes unawaited, and
+    an optimizer's step raises nothing here."""
     try:
         yield
     except ValueError:

@@ -245,6 +245,34 @@ def test_fsdp_blocks_backward_with_every_other_block_checkpointed_agrees_with_th
     }
 
 
+@pytest.mark.parametrize(
+    ("replicas", "micro_steps", "every_microstep"), [(4, 1, "auto"), (2, 2, "true")], ids=["one-micro-step", "partial"]
+)
+def test_bf16_true_hybrid_sharding_holds_fp32_shards_and_agrees_with_the_plan(
+    replicas: int, micro_steps: int, every_microstep: str
+) -> None:
+    """Hybrid sharding in bf16-true (gradients in bf16, reduced in fp32): FSDP keeps each finished block's fp32
+    all-reduced shard until backward ends, and reducing every micro-step it keeps fp32 partial shards in the
+    gradients' place until the last micro-step's all-reduce. Within 5%: temporaries 3.4% and 0.4% under, the plan 42%
+    under on the first before, and on the second 50% under on the gradients."""
+    config = load_config(
+        None,
+        [
+            *("--model.n_layer=4", "--model.n_head=8", "--model.n_embd=512", "--model.vocab_size=512"),
+            *("--model.block_size=128", "--train.precision=bf16-true", "--train.global_batch_tokens=0"),
+            *("--parallel.strategy=fsdp", f"--parallel.dp_replicate={replicas}", "--train.micro_batch=1"),
+            f"--parallel.fsdp.reduce_every_microstep={every_microstep}",
+            f"--train.global_batch={8 * micro_steps}",
+        ],
+        "gpt",
+    )
+    (comparison,) = compare(dry_run(resolve(config, 8)), config, get_cluster("h100", 1, 8))
+    assert not comparison.disagreements(), {
+        part: (round(comparison.predicted[part] / MiB, 2), round(comparison.measured[part] / MiB, 2))
+        for part in (*COMPONENTS, "peak")
+    }
+
+
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "plan_dryrun.json"
 
 

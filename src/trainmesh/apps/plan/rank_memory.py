@@ -125,7 +125,7 @@ def _blocks_backward(
     if not shape.fsdp:
         return in_block + shape.weight_grad
     if not shape.in_pipeline and not state.unsharded_grads:
-        return _fsdp_blocks_backward(spec, shape, cand, precision, units, grads_pending)
+        return _fsdp_blocks_backward(spec, shape, cand, precision, state, units, grads_pending)
     # FSDP's root unit and the block computing (held in `gathered` already under grad-op; the block that backward
     # prefetches is not there yet at the last block's peak, the dry run finds, but with checkpointing the recomputed
     # forward's prefetch is). Gradients accumulating unsharded are in `grads` already.
@@ -148,12 +148,19 @@ def _blocks_backward(
 
 
 def _fsdp_blocks_backward(
-    spec: ModelSpec, shape: StageShape, cand: Candidate, precision: PrecisionBytes, units: FsdpUnits, pending: bool
+    spec: ModelSpec,
+    shape: StageShape,
+    cand: Candidate,
+    precision: PrecisionBytes,
+    state: ModelState,
+    units: FsdpUnits,
+    pending: bool,
 ) -> float:
     """Without a pipeline, FSDP reduce-scattering each block's gradients as its backward ends: the bytes beside the
     parts at the largest moment of the blocks' backward, block by block in backward's order (found with the dry run:
     for a 7B at 512 ranks the second block's, under hybrid sharding over 8 the second-to-last's). `pending`: the
-    step's sharded gradients are not in the parts yet (its only micro-step makes them)."""
+    step's sharded gradients are not in the parts yet (its only micro-step makes them; or under hybrid sharding, the
+    last micro-step, beside the partial shards that stand for them in `grads`)."""
     act, k, root, block = shape.act, cand.checkpoint_every, units.root, units.block
     params = [p for p in shape.held if p.block is not None]
     one_block = [p for p in params if p.block == params[0].block]
@@ -167,7 +174,14 @@ def _fsdp_blocks_backward(
     attention = param_bytes(one_block, cand.tp, 1, precision.gather) - mlp_saved
     computing = max(mlp, attention) + param_bytes([head], cand.tp, 1, precision.gather)
     reducing = block / precision.gather * 4  # the block before's gradients, in their reduce-scatter's fp32 input
-    made = param_bytes(params, cand.tp, shape.shard, StateBytes.adamw(precision.name).grads) / shape.blocks
+    grad_bytes = StateBytes.adamw(precision.name).grads
+    made = param_bytes(params, cand.tp, shape.shard, grad_bytes) / shape.blocks
+    # under hybrid sharding FSDP holds each finished block's all-reduced shard, in its fp32 reduce dtype, until
+    # backward ends (its all-reduce state): with fp32 parameters that shard is the gradient itself, in `made`; after
+    # earlier micro-steps it takes the place of the block's partial shard, which is freed
+    hybrid_copy = cand.dp_replicate > 1 and grad_bytes != 4 and not state.partial_grads
+    all_reduced = param_bytes(one_block, cand.tp, shape.shard, 4) if hybrid_copy else 0.0
+    pending = pending or state.partial_grads
     most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (and the ids' bytes)
     for i in reversed(range(shape.blocks)):
         checkpointed, last = bool(k) and i % k == 0, i == shape.blocks - 1
@@ -177,8 +191,10 @@ def _fsdp_blocks_backward(
         gathered = -(shape.blocks - 1 - i) * block if units.gathered else root + block + prefetched
         recomputed = act.recompute_peak if checkpointed else 0.0
         most = max(most, balance + computing + recomputed + gathered + (0.0 if last else reducing))
-        # done: what it saved is freed, and in a step's only micro-step its sharded gradients are made
-        balance += (made if pending else 0.0) - (act.checkpointed_block if checkpointed else act.per_block)
+        # done: what it saved is freed, in a step's only micro-step its sharded gradients are made, and under hybrid
+        # sharding its all-reduced shard is kept
+        freed = act.checkpointed_block if checkpointed else act.per_block
+        balance += (made if pending else 0.0) + all_reduced - freed
     return most
 
 

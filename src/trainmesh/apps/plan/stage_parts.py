@@ -103,14 +103,16 @@ class StageShape:
 @dataclass(frozen=True)
 class ModelState:
     """A stage's model state: its parts' bytes on the device, what CPU offload keeps in host memory instead (`host`),
-    whether FSDP's gradients accumulate unsharded (in `grads`), the stage's gradients unsharded in fp32
-    (`whole_grads`), and the rows beyond this rank's of an embedding gradient that comes back whole."""
+    whether FSDP's gradients accumulate unsharded (in `grads`) or, under hybrid sharding, as fp32 shards not yet
+    all-reduced (`partial_grads`, in `grads` too), the stage's gradients unsharded in fp32 (`whole_grads`), and the
+    rows beyond this rank's of an embedding gradient that comes back whole."""
 
     params: float
     grads: float
     optimizer: float
     host: dict[str, float]
     unsharded_grads: bool
+    partial_grads: bool
     whole_grads: float
     whole_embedding: float
 
@@ -128,6 +130,12 @@ def model_state(shape: StageShape, cand: Candidate, precision: PrecisionBytes, a
     # whole gradients accumulate in FSDP's reduce dtype, fp32 (strategies/fsdp.py), whatever the parameters' dtype
     whole_grads = param_bytes(held, cand.tp, 1, 4)
     grads = whole_grads if unsharded_grads else param_bytes(held, cand.tp, shard, state.grads)
+    # Reduce-scattering every micro-step under hybrid sharding, FSDP all-reduces across replicas at the last only,
+    # and until then keeps each unit's shards in its fp32 reduce dtype instead of gradients (its partial reduce
+    # output): twice the bytes of bf16 gradients (fp32 ones: the same)
+    partial_grads = unsharded_grads is False and shape.fsdp and cand.dp_replicate > 1 and accum > 1
+    partial_grads = partial_grads and not shape.in_pipeline and state.grads != 4
+    grads = param_bytes(held, cand.tp, shard, 4) if partial_grads else grads
     if cand.strategy == "ddp" and accum > 1 and cand.pp == 1:  # DDP's buckets, allocated once, beside the gradients
         grads *= 2  # of the micro-steps before the last (zero_grad(set_to_none) leaves them to autograd; the dry run
         # found this). A pipeline's micro-steps all synchronise: its pieces' own gradients are in the temporaries
@@ -142,8 +150,8 @@ def model_state(shape: StageShape, cand: Candidate, precision: PrecisionBytes, a
     host: dict[str, float] = {}
     if cand.kind == "fsdp-offload":  # state in host memory; gradients still accumulating stay on the device
         host = {"params": params, "grads": param_bytes(held, cand.tp, shard, state.grads), "optimizer": optimizer}
-        params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads else 0.0
-    return ModelState(params, grads, optimizer, host, unsharded_grads, whole_grads, whole_embedding)
+        params, optimizer, grads = 0.0, 0.0, grads if unsharded_grads or partial_grads else 0.0
+    return ModelState(params, grads, optimizer, host, unsharded_grads, partial_grads, whole_grads, whole_embedding)
 
 
 @dataclass(frozen=True)

@@ -246,28 +246,34 @@ def test_fsdp_blocks_backward_with_every_other_block_checkpointed_agrees_with_th
 
 
 @pytest.mark.parametrize(
-    ("replicas", "micro_steps", "every_microstep"), [(4, 1, "auto"), (2, 2, "true")], ids=["one-micro-step", "partial"]
+    ("overrides", "tolerance"),
+    [
+        (["--parallel.dp_replicate=4"], 0.04),  # temporaries 3.4% under (42% before)
+        (["--parallel.dp_replicate=2", "--train.global_batch=16", "--parallel.fsdp.reduce_every_microstep=true"], 0.01),
+        (["--parallel.dp_replicate=4", "--model.vocab_size=16384", "--parallel.activation_checkpointing=1"], 0.01),
+        (["--model.vocab_size=16384", "--parallel.activation_checkpointing=1"], 0.01),
+    ],
+    ids=["hybrid", "hybrid-partial-shards", "hybrid-root-backward", "root-backward"],
 )
-def test_bf16_true_hybrid_sharding_holds_fp32_shards_and_agrees_with_the_plan(
-    replicas: int, micro_steps: int, every_microstep: str
+def test_fsdp_in_bf16_true_holds_what_the_plan_says_to_the_end_of_backward(
+    overrides: list[str], tolerance: float
 ) -> None:
-    """Hybrid sharding in bf16-true (gradients in bf16, reduced in fp32): FSDP keeps each finished block's fp32
-    all-reduced shard until backward ends, and reducing every micro-step it keeps fp32 partial shards in the
-    gradients' place until the last micro-step's all-reduce. Within 5%: temporaries 3.4% and 0.4% under, the plan 42%
-    under on the first before, and on the second 50% under on the gradients."""
+    """bf16-true (gradients in bf16, reduced in fp32) on 8 ranks: under hybrid sharding FSDP keeps each finished
+    block's fp32 all-reduced shard until backward ends, and reducing every micro-step it keeps fp32 partial shards in
+    the gradients' place until the last micro-step's all-reduce (the plan was 50% under on those gradients); with a
+    large vocabulary and checkpointing the peak is the root's backward, every block done, with the tied weight's
+    gradient three times (the plan was 34% and 22% under on the temporaries of the last two)."""
     config = load_config(
         None,
         [
             *("--model.n_layer=4", "--model.n_head=8", "--model.n_embd=512", "--model.vocab_size=512"),
             *("--model.block_size=128", "--train.precision=bf16-true", "--train.global_batch_tokens=0"),
-            *("--parallel.strategy=fsdp", f"--parallel.dp_replicate={replicas}", "--train.micro_batch=1"),
-            f"--parallel.fsdp.reduce_every_microstep={every_microstep}",
-            f"--train.global_batch={8 * micro_steps}",
+            *("--parallel.strategy=fsdp", "--train.micro_batch=1", "--train.global_batch=8", *overrides),
         ],
         "gpt",
     )
     (comparison,) = compare(dry_run(resolve(config, 8)), config, get_cluster("h100", 1, 8))
-    assert not comparison.disagreements(), {
+    assert not comparison.disagreements(tolerance), {
         part: (round(comparison.predicted[part] / MiB, 2), round(comparison.measured[part] / MiB, 2))
         for part in (*COMPONENTS, "peak")
     }

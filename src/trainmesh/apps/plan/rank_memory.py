@@ -159,8 +159,7 @@ def _fsdp_blocks_backward(
     """Without a pipeline, FSDP reduce-scattering each block's gradients as its backward ends: the bytes beside the
     parts at the largest moment of the blocks' backward, block by block in backward's order (found with the dry run:
     for a 7B at 512 ranks the second block's, under hybrid sharding over 8 the second-to-last's). `pending`: the
-    step's sharded gradients are not in the parts yet (its only micro-step makes them; or under hybrid sharding, the
-    last micro-step, beside the partial shards that stand for them in `grads`)."""
+    step's sharded gradients are not in the parts yet (its only micro-step makes them)."""
     act, k, root, block = shape.act, cand.checkpoint_every, units.root, units.block
     params = [p for p in shape.held if p.block is not None]
     one_block = [p for p in params if p.block == params[0].block]
@@ -176,12 +175,15 @@ def _fsdp_blocks_backward(
     reducing = block / precision.gather * 4  # the block before's gradients, in their reduce-scatter's fp32 input
     grad_bytes = StateBytes.adamw(precision.name).grads
     made = param_bytes(params, cand.tp, shape.shard, grad_bytes) / shape.blocks
-    # under hybrid sharding FSDP holds each finished block's all-reduced shard, in its fp32 reduce dtype, until
-    # backward ends (its all-reduce state): with fp32 parameters that shard is the gradient itself, in `made`; after
-    # earlier micro-steps it takes the place of the block's partial shard, which is freed
-    hybrid_copy = cand.dp_replicate > 1 and grad_bytes != 4 and not state.partial_grads
-    all_reduced = param_bytes(one_block, cand.tp, shape.shard, 4) if hybrid_copy else 0.0
-    pending = pending or state.partial_grads
+    # Each block done: its sharded gradients, on the device unless offloaded, when this micro-step makes them (a
+    # step's only one, or the last after partial shards). Under hybrid sharding FSDP holds its all-reduced shard,
+    # in the fp32 reduce dtype, on the device until backward ends (its all-reduce state): that shard is the gradient
+    # itself for fp32 gradients not offloaded; and it takes the place of the block's partial shard, which is freed
+    offload = cand.kind == "fsdp-offload"
+    made = made if (pending or state.partial_grads) and not offload else 0.0
+    fp32_shard = param_bytes(one_block, cand.tp, shape.shard, 4)
+    all_reduced = fp32_shard if cand.dp_replicate > 1 and (grad_bytes != 4 or offload) else 0.0
+    all_reduced -= fp32_shard if state.partial_grads else 0.0
     most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (and the ids' bytes)
     for i in reversed(range(shape.blocks)):
         checkpointed, last = bool(k) and i % k == 0, i == shape.blocks - 1
@@ -191,11 +193,13 @@ def _fsdp_blocks_backward(
         gathered = -(shape.blocks - 1 - i) * block if units.gathered else root + block + prefetched
         recomputed = act.recompute_peak if checkpointed else 0.0
         most = max(most, balance + computing + recomputed + gathered + (0.0 if last else reducing))
-        # done: what it saved is freed, in a step's only micro-step its sharded gradients are made, and under hybrid
-        # sharding its all-reduced shard is kept
+        # done: what it saved is freed, its gradients made and its all-reduced shard kept (above)
         freed = act.checkpointed_block if checkpointed else act.per_block
-        balance += (made if pending else 0.0) + all_reduced - freed
-    return most
+        balance += made + all_reduced - freed
+    # then the root's backward, every block done: the embedding's part of the tied weight's gradient beside the
+    # head's and their sum, beside the root gathered and the first block's reduce-scatter input
+    tied = param_bytes([head], cand.tp, 1, precision.gather)
+    return max(most, balance + 3 * tied + root + reducing)
 
 
 def _pipeline_moments(

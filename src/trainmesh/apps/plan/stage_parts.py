@@ -132,9 +132,9 @@ def model_state(shape: StageShape, cand: Candidate, precision: PrecisionBytes, a
     grads = whole_grads if unsharded_grads else param_bytes(held, cand.tp, shard, state.grads)
     # Reduce-scattering every micro-step under hybrid sharding, FSDP all-reduces across replicas at the last only,
     # and until then keeps each unit's shards in its fp32 reduce dtype instead of gradients (its partial reduce
-    # output): twice the bytes of bf16 gradients (fp32 ones: the same)
-    partial_grads = unsharded_grads is False and shape.fsdp and cand.dp_replicate > 1 and accum > 1
-    partial_grads = partial_grads and not shape.in_pipeline and state.grads != 4
+    # output, on the device even under offload): twice the bytes of bf16 gradients
+    partial_grads = shape.fsdp and not shape.in_pipeline and accum > 1 and cand.reduce_every_microstep
+    partial_grads = partial_grads and cand.dp_replicate > 1
     grads = param_bytes(held, cand.tp, shard, 4) if partial_grads else grads
     if cand.strategy == "ddp" and accum > 1 and cand.pp == 1:  # DDP's buckets, allocated once, beside the gradients
         grads *= 2  # of the micro-steps before the last (zero_grad(set_to_none) leaves them to autograd; the dry run

@@ -252,8 +252,16 @@ def test_fsdp_blocks_backward_with_every_other_block_checkpointed_agrees_with_th
         (["--parallel.dp_replicate=2", "--train.global_batch=16", "--parallel.fsdp.reduce_every_microstep=true"], 0.01),
         (["--parallel.dp_replicate=4", "--model.vocab_size=16384", "--parallel.activation_checkpointing=1"], 0.01),
         (["--model.vocab_size=16384", "--parallel.activation_checkpointing=1"], 0.01),
+        (
+            [
+                "--model.vocab_size=16384",
+                "--parallel.activation_checkpointing=1",
+                "--parallel.fsdp.reshard_after_forward=false",
+            ],
+            0.01,
+        ),
     ],
-    ids=["hybrid", "hybrid-partial-shards", "hybrid-root-backward", "root-backward"],
+    ids=["hybrid", "hybrid-partial-shards", "hybrid-root-backward", "root-backward", "grad-op-root-backward"],
 )
 def test_fsdp_in_bf16_true_holds_what_the_plan_says_to_the_end_of_backward(
     overrides: list[str], tolerance: float
@@ -262,7 +270,8 @@ def test_fsdp_in_bf16_true_holds_what_the_plan_says_to_the_end_of_backward(
     block's fp32 all-reduced shard until backward ends, and reducing every micro-step it keeps fp32 partial shards in
     the gradients' place until the last micro-step's all-reduce (the plan was 50% under on those gradients); with a
     large vocabulary and checkpointing the peak is the root's backward, every block done, with the tied weight's
-    gradient three times (the plan was 34% and 22% under on the temporaries of the last two)."""
+    gradient three times (the plan was 34% and 22% under on the temporaries of the hybrid and flat ones; under grad-op
+    every block is resharded by then)."""
     config = load_config(
         None,
         [

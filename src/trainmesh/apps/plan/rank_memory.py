@@ -157,8 +157,9 @@ def _fsdp_blocks_backward(
     pending: bool,
 ) -> float:
     """Without a pipeline, FSDP reduce-scattering each block's gradients as its backward ends: the bytes beside the
-    parts at the largest moment of the blocks' backward, block by block in backward's order (found with the dry run:
-    for a 7B at 512 ranks the second block's, under hybrid sharding over 8 the second-to-last's). `pending`: the
+    parts at the largest moment of the blocks' backward, block by block in backward's order, and of the root's after
+    them (found with the dry run: for a 7B at 512 ranks the second block's, under hybrid sharding over 8 the
+    second-to-last's; with a large vocabulary and short sequences or checkpointing, the root's). `pending`: the
     step's sharded gradients are not in the parts yet (its only micro-step makes them)."""
     act, k, root, block = shape.act, cand.checkpoint_every, units.root, units.block
     params = [p for p in shape.held if p.block is not None]
@@ -184,7 +185,7 @@ def _fsdp_blocks_backward(
     fp32_shard = param_bytes(one_block, cand.tp, shape.shard, 4)
     all_reduced = fp32_shard if cand.dp_replicate > 1 and (grad_bytes != 4 or offload) else 0.0
     all_reduced -= fp32_shard if state.partial_grads else 0.0
-    most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (and the ids' bytes)
+    most, balance = 0.0, -float(act.outside)  # the head's and loss's saved tensors are freed (and the ids' few bytes)
     for i in reversed(range(shape.blocks)):
         checkpointed, last = bool(k) and i % k == 0, i == shape.blocks - 1
         # gathered: the root, the block and the one backward prefetches (in the last block's only as its recomputed
@@ -197,9 +198,10 @@ def _fsdp_blocks_backward(
         freed = act.checkpointed_block if checkpointed else act.per_block
         balance += made + all_reduced - freed
     # then the root's backward, every block done: the embedding's part of the tied weight's gradient beside the
-    # head's and their sum, beside the root gathered and the first block's reduce-scatter input
+    # head's and their sum, beside the root gathered (under grad-op: every block resharded) and the first block's
+    # reduce-scatter input
     tied = param_bytes([head], cand.tp, 1, precision.gather)
-    return max(most, balance + 3 * tied + root + reducing)
+    return max(most, balance + 3 * tied + root - units.gathered + reducing)
 
 
 def _pipeline_moments(

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import random
 import re
 import signal
 import socket
@@ -16,6 +17,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import Std
 
 from trainmesh.cli.flags import build_parser, split_recipe_args
+from trainmesh.core.env import _ephemeral_ports, free_port
 from trainmesh.job.launcher import launch_options
 from trainmesh.launch import (
     NO_SHARED_STORE,
@@ -35,6 +37,19 @@ def test_single_node_uses_loopback_and_a_free_port() -> None:
     assert "--nproc-per-node=2" in argv and "--master-addr=127.0.0.1" in argv
     port = int(next(a for a in argv if a.startswith("--master-port=")).split("=")[1])
     assert port > 0 and argv[-3:] == ["-m", "trainmesh", "gpt"]
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_whatever_the_seed() -> None:
+    """Outgoing connections and bind(0) take ports of the ephemeral range: a server port drawn there could be taken
+    between free_port() and the server's bind (a hung rendezvous, seen once in the suite). Seeded runs draw apart."""
+    low = _ephemeral_ports()[0]
+    drawn = []
+    for _ in range(2):
+        random.seed(0)
+        drawn.append([free_port() for _ in range(3)])
+    assert all(1024 <= port < low for port in drawn[0] + drawn[1]) and drawn[0] != drawn[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", drawn[0][0]))  # free
 
 
 def test_auto_is_one_process_per_gpu_else_two(monkeypatch: pytest.MonkeyPatch) -> None:

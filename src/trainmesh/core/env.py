@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import socket
 from collections.abc import Iterator, Mapping
@@ -274,10 +275,26 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; a race with other binders is possible)."""
+    """A TCP port that was free a moment ago, for a server to listen on: a random one below the OS's ephemeral range,
+    which every outgoing connection (gloo's meshes make many) and bind(0) draw from, so that between now and the
+    server's bind only another free_port() can take it; the OS's pick when none below is free."""
+    low = _ephemeral_ports()[0]
+    draw = random.SystemRandom()  # not the seeded module state: processes seeded alike would draw the same ports
+    for port in draw.sample(range(max(1024, low - 10_000), low), 32):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The OS's ephemeral port range (Linux's /proc setting; elsewhere, Linux's default)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999
 
 
 # The process environment is read and changed here only (and in launch/spawn.py, which gives a forked test rank

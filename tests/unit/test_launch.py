@@ -42,11 +42,12 @@ def test_single_node_uses_loopback_and_a_free_port() -> None:
 def test_free_ports_are_drawn_below_the_ephemeral_range_whatever_the_seed() -> None:
     """Outgoing connections and bind(0) take ports of the ephemeral range: a server port drawn there could be taken
     between free_port() and the server's bind (a hung rendezvous, seen once in the suite). Seeded runs draw apart."""
-    low = _ephemeral_ports()[0]
+    low, state = _ephemeral_ports()[0], random.getstate()
     drawn = []
     for _ in range(2):
         random.seed(0)
         drawn.append([free_port() for _ in range(3)])
+    random.setstate(state)  # the worker's other tests keep their own draws
     assert all(1024 <= port < low for port in drawn[0] + drawn[1]) and drawn[0] != drawn[1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", drawn[0][0]))  # free

@@ -175,13 +175,13 @@ def _fsdp_blocks_backward(
     computing = max(mlp, attention) + param_bytes([head], cand.tp, 1, precision.gather)
     reducing = block / precision.gather * 4  # the block before's gradients, in their reduce-scatter's fp32 input
     grad_bytes = StateBytes.adamw(precision.name).grads
-    made = param_bytes(params, cand.tp, shape.shard, grad_bytes) / shape.blocks
     # Each block done: its sharded gradients, on the device unless offloaded, when this micro-step makes them (a
     # step's only one, or the last after partial shards). Under hybrid sharding FSDP holds its all-reduced shard,
     # in the fp32 reduce dtype, on the device until backward ends (its all-reduce state): that shard is the gradient
     # itself for fp32 gradients not offloaded; and it takes the place of the block's partial shard, which is freed
     offload = cand.kind == "fsdp-offload"
-    made = made if (pending or state.partial_grads) and not offload else 0.0
+    makes_grads = (pending or state.partial_grads) and not offload
+    made = param_bytes(params, cand.tp, shape.shard, grad_bytes) / shape.blocks if makes_grads else 0.0
     fp32_shard = param_bytes(one_block, cand.tp, shape.shard, 4)
     all_reduced = fp32_shard if cand.dp_replicate > 1 and (grad_bytes != 4 or offload) else 0.0
     all_reduced -= fp32_shard if state.partial_grads else 0.0
